@@ -1,0 +1,81 @@
+#include <pybind11/stl.h>
+
+#include "registry.h"
+#include "specdecode/parallel.h"
+
+#ifdef SPECDECODE_WITH_CUDA
+#include "runtime.cuh"
+#endif
+
+#ifndef SPECDECODE_VERSION
+#define SPECDECODE_VERSION "0.0.0+unknown"
+#endif
+
+namespace sd {
+namespace py = pybind11;
+
+namespace {
+
+py::dict build_info() {
+  py::dict info;
+  info["version"] = SPECDECODE_VERSION;
+  py::list backends;
+  backends.append("cpu");
+  py::dict cuda;
+#ifdef SPECDECODE_WITH_CUDA
+  backends.append("cuda");
+  const cuda::RuntimeInfo rt = cuda::query_runtime();
+  cuda["compiled"] = true;
+  cuda["runtime_version"] = rt.runtime_version;
+  cuda["driver_version"] = rt.driver_version;
+  py::list devices;
+  for (const auto& d : rt.devices) {
+    py::dict dev;
+    dev["index"] = d.index;
+    dev["name"] = d.name;
+    dev["capability"] = py::make_tuple(d.major, d.minor);
+    dev["total_memory"] = d.total_memory;
+    devices.append(dev);
+  }
+  cuda["devices"] = devices;
+  cuda["error"] = rt.error;
+#else
+  cuda["compiled"] = false;
+  cuda["runtime_version"] = 0;
+  cuda["driver_version"] = 0;
+  cuda["devices"] = py::list();
+  cuda["error"] = "built without CUDA";
+#endif
+  info["backends"] = backends;
+  info["cuda"] = cuda;
+  info["num_threads"] = num_threads();
+#if defined(__clang__)
+  info["compiler"] = std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  info["compiler"] = std::string("gcc ") + __VERSION__;
+#else
+  info["compiler"] = "unknown";
+#endif
+  return info;
+}
+
+}  // namespace
+
+void register_info(py::module_& m) {
+  m.def("build_info", &build_info, "Version, backends, CUDA runtime and devices, threads.");
+  m.def("num_threads", &num_threads, "Threads the CPU kernels use.");
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        if (n < 0) throw py::value_error("num_threads: must be >= 0 (0 restores the default)");
+        set_num_threads(n);
+      },
+      py::arg("n"), "Sets the threads the CPU kernels use (0 restores the default).");
+#ifdef SPECDECODE_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+}
+
+}  // namespace sd

@@ -1,0 +1,1 @@
+"""Implementation of :mod:`specdecode.ops`, one module per op family."""

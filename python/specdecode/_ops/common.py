@@ -1,0 +1,59 @@
+"""Plumbing shared by the op families: device discovery, streams, output allocation.
+
+Inputs may be torch tensors, numpy arrays or any object with ``__dlpack__``; they reach the
+native module unchanged (zero-copy through DLPack). Outputs are torch tensors allocated here on
+the inputs' device, because the native module allocates nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+# DLPack device types.
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+def device_of(x: Any, name: str) -> torch.device:
+    """The torch device an array lives on (CPU or CUDA)."""
+    if isinstance(x, torch.Tensor):
+        return x.device
+    if isinstance(x, np.ndarray):
+        return torch.device("cpu")
+    if hasattr(x, "__dlpack_device__"):
+        kind, index = x.__dlpack_device__()
+        kind = int(kind)
+        if kind in (_DL_CPU, _DL_CUDA_HOST):
+            return torch.device("cpu")
+        if kind in (_DL_CUDA, _DL_CUDA_MANAGED):
+            return torch.device("cuda", int(index))
+        raise TypeError(f"{name}: unsupported DLPack device type {kind} (expected CPU or CUDA)")
+    raise TypeError(
+        f"{name}: expected a torch.Tensor, numpy.ndarray or an array with __dlpack__, "
+        f"got {type(x).__name__}"
+    )
+
+
+def as_array(x: Any, name: str, dtype: torch.dtype | None = None) -> Any:
+    """Passes arrays through; turns nested Python lists/tuples into tensors of `dtype`."""
+    if isinstance(x, torch.Tensor):
+        return x.detach() if x.requires_grad else x
+    if isinstance(x, (list, tuple)):
+        try:
+            return torch.tensor(x, dtype=dtype)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}: cannot make a {dtype} array from the given list: {exc}")
+    return x
+
+
+def stream_of(device: torch.device) -> int:
+    """The caller's current CUDA stream on `device` as an integer (0 for the CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    return 0
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)

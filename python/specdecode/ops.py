@@ -1,0 +1,28 @@
+"""The native ops of specdecode.
+
+Conventions shared by every op:
+
+* Inputs are torch tensors, numpy arrays or any object with ``__dlpack__``, on the CPU or a
+  CUDA device; they are read without a copy. Outputs are torch tensors on the same device.
+* Every op validates dtype, shape, device, contiguity and value ranges before native code runs and
+  raises ``TypeError`` / ``ValueError`` naming the argument and what was expected.
+* Ragged batches use -1 (:data:`PAD_TOKEN`) as padding for token ids and node indices.
+* Trees use one format everywhere (see :func:`tree_info`): node 0 is the root (the last
+  committed token), parents come before children, rows are padded with -1.
+"""
+
+from __future__ import annotations
+
+from ._ops.tree import MAX_TREE_NODES, TreeInfo, chain_parents, tree_info, tree_paths
+
+PAD_TOKEN: int = -1
+"""Padding value for token ids and node indices in ragged batches."""
+
+__all__ = [
+    "MAX_TREE_NODES",
+    "PAD_TOKEN",
+    "TreeInfo",
+    "chain_parents",
+    "tree_info",
+    "tree_paths",
+]
