@@ -89,9 +89,7 @@ TableMemory::TableMemory(size_t words) : words_(words) {
   std::memset(data_, 0, rounded);
 }
 
-TableMemory::~TableMemory() {
-  std::free(data_);
-}
+TableMemory::~TableMemory() { std::free(data_); }
 
 NGramCache::NGramCache(const NGramConfig& config) : config_(config) {
   validate_ngram_config(config_);

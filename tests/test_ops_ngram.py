@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import requires_cuda
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_ngram import RefNGramCache
@@ -456,10 +457,13 @@ def test_config_errors():
         NGramCache(max_leaders=1 << 24, max_followers=64, max_sequences=1024)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+@requires_cuda
 def test_cuda_arrays_are_refused(cache):
     with pytest.raises(ValueError, match="lives on the host"):
         cache.update(t32([0]).cuda(), t32([1]), t32([0, 1]))
+    with pytest.raises(ValueError, match="lives on the host"):
+        cache.draft(t32([0]), t32([[1, 2]]).cuda(), t32([2]), 4, 2)
 
 
 # ---------------------------------------------------------------------------------------------
