@@ -244,6 +244,9 @@ int64_t Array::numel() const {
 }
 
 bool Array::is_contiguous() const {
+  // An empty array has no element to be out of place; producers export it with any strides
+  // (numpy uses 0).
+  if (numel() == 0) return true;
   int64_t expected = 1;
   for (int d = ndim() - 1; d >= 0; --d) {
     if (shape_[d] != 1 && strides_[d] != expected) return false;

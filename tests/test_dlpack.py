@@ -69,6 +69,12 @@ def test_size_one_dims_do_not_break_contiguity():
     assert _C.describe_array(t.t())["contiguous"]
 
 
+def test_empty_arrays_are_contiguous_whatever_their_strides():
+    assert _C.describe_array(np.zeros((0, 5), dtype=np.int32))["contiguous"]
+    assert _C.describe_array(torch.zeros((3, 0), dtype=torch.int32))["contiguous"]
+    assert _C.describe_array(torch.zeros((0, 4)).t())["contiguous"]
+
+
 def test_read_only_numpy_rejected_as_output_only():
     a = np.zeros(4, dtype=np.int32)
     a.flags.writeable = False

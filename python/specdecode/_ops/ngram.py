@@ -60,13 +60,6 @@ def _int32_array(x: Any, name: str) -> Any:
         return as_array(x, name, torch.int32)
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         return torch.tensor([int(x)], dtype=torch.int32)
-    empty = (isinstance(x, np.ndarray) and x.size == 0) or (
-        isinstance(x, torch.Tensor) and x.numel() == 0
-    )
-    if empty and x.dtype != object:
-        # Empty arrays may come with zero strides, which the DLPack boundary's contiguity check
-        # rejects; an empty array of the same dtype and shape is equivalent.
-        return torch.empty(tuple(x.shape), dtype=torch.as_tensor(x).dtype)
     return as_array(x, name)
 
 
