@@ -119,8 +119,8 @@ def test_gqa_ratios(isa, hq, hkv):
     [(1, 0), (1, 1), (1, 333), (3, 0), (33, 65), (65, 63), (17, 600), (5, 3000), (64, 2100)],
 )
 def test_odd_sizes_chain_and_tree(isa, t, prefix):
-    # 3000 / 2100 exercise several prefix splits (merged with the lse rule); 600 the short splits
-    # of the grouped (few-rows) layout.
+    # 3000 / 2100 exercise several prefix splits (merged with the lse rule); 333 / 600 the short
+    # splits of the grouped (few-rows) layout.
     q, k, v, lens, gen = make_case(1, t, 8, 2, 64, prefix, seed=t + prefix)
     check(q, k, v, lens, None)
     check(q, k, v, lens, ops.tree_info(random_parents(1, t, gen)).mask)
