@@ -108,6 +108,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="B=1 and T in {1, 64} only")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-naive", action="store_true")
+    parser.add_argument(
+        "--decode-sweep",
+        action="store_true",
+        help="only T=1 for B in {1, 2, 4, 8} and S in {4096, 16384}: KV GB/s against the read "
+        "bandwidth measured interleaved (S=16384 does not fit any cache)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
@@ -124,6 +130,14 @@ def main() -> None:
         print(f"# GPU: {torch.cuda.get_device_name(device)}")
     print(f"# measured read bandwidth {bw:.1f} GB/s, fp32 matmul {peak:.0f} GFLOP/s")
     print()
+    if args.decode_sweep:
+        print("| B | S | dtype | ours ms | ours GB/s | read GB/s (interleaved) | % |")
+        print("|---|---|---|---|---|---|---|")
+        for dtype in (torch.float32, torch.bfloat16):
+            for s in (4096, 16384):
+                for batch in (1, 2, 4, 8):
+                    print(decode_case(batch, s, dtype, device, sync, probe), flush=True)
+        return
     print(
         "| B | S | T | dtype | ours ms | sdpa ms | naive ms | vs sdpa | vs naive "
         "| ours GB/s (% of read bw GB/s) | ours GFLOP/s (% matmul) |"
@@ -137,6 +151,18 @@ def main() -> None:
                 for t in trees:
                     row = run_case(batch, s, t, dtype, device, sync, probe, bw, peak, args)
                     print(row, flush=True)
+
+
+def decode_case(batch, s, dtype, device, sync, probe) -> str:
+    q, k, v, lens, _ = make(batch, s, 1, dtype, device)
+    t_ours, t_sum = best_pair(lambda: ops.tree_attention(q, k, v, lens), probe.sum, sync=sync)
+    bw = probe.numel() * 4 / t_sum / 1e9
+    gbs = 2 * k.numel() * k.element_size() / t_ours / 1e9
+    name = str(dtype).replace("torch.", "")
+    return (
+        f"| {batch} | {s} | {name} | {t_ours * 1e3:.3f} | {gbs:.1f} | {bw:.1f} | "
+        f"{100 * gbs / bw:.0f}% |"
+    )
 
 
 def run_case(batch, s, t, dtype, device, sync, probe, bw, peak, args) -> str:
