@@ -55,7 +55,7 @@ class Pool {
     }
     ensure_workers(want - 1);
 
-    Job job{&fn, n, grain, chunks};
+    Job job(&fn, n, grain, chunks);
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = &job;
@@ -72,6 +72,8 @@ class Pool {
 
  private:
   struct Job {
+    Job(const std::function<void(int64_t, int64_t)>* f, int64_t total, int64_t chunk, int64_t count)
+        : fn(f), n(total), grain(chunk), chunks(count) {}
     const std::function<void(int64_t, int64_t)>* fn;
     int64_t n, grain, chunks;
     std::atomic<int64_t> next_chunk{0};
