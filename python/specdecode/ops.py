@@ -14,15 +14,33 @@ Conventions shared by every op:
 from __future__ import annotations
 
 from ._ops.tree import MAX_TREE_NODES, TreeInfo, chain_parents, tree_info, tree_paths
+from ._ops.verify import (
+    MAX_VOCAB,
+    STATUS_BAD_DRAFT,
+    STATUS_NON_FINITE,
+    STATUS_ZERO_MASS,
+    SampleResult,
+    VerifyResult,
+    sample,
+    verify,
+)
 
 PAD_TOKEN: int = -1
 """Padding value for token ids and node indices in ragged batches."""
 
 __all__ = [
     "MAX_TREE_NODES",
+    "MAX_VOCAB",
     "PAD_TOKEN",
+    "STATUS_BAD_DRAFT",
+    "STATUS_NON_FINITE",
+    "STATUS_ZERO_MASS",
+    "SampleResult",
     "TreeInfo",
+    "VerifyResult",
     "chain_parents",
+    "sample",
     "tree_info",
     "tree_paths",
+    "verify",
 ]
