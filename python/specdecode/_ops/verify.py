@@ -328,13 +328,31 @@ def _verify_op(
 
 
 @_verify_op.register_fake
-def _verify_fake(target, tokens, parents, num_nodes, draft_probs, allow, temperature, top_k,
-                 top_p, seed, offset, target_is_logits, method, eps, alpha, topk_accept,
-                 correction_from_target, max_depth, check):  # fmt: skip
+def _verify_fake(
+    target,
+    tokens,
+    parents,
+    num_nodes,
+    draft_probs,
+    allow,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    offset,
+    target_is_logits,
+    method,
+    eps,
+    alpha,
+    topk_accept,
+    correction_from_target,
+    max_depth,
+    check,
+):
     batch = target.shape[0]
     emitted = target.new_empty((batch, max_depth + 1), dtype=torch.int32)
     vec = target.new_empty((batch,), dtype=torch.int32)
-    return emitted, torch.empty_like(emitted), vec, torch.empty_like(vec), torch.empty_like(vec)
+    return emitted, vec, torch.empty_like(emitted), torch.empty_like(vec), torch.empty_like(vec)
 
 
 def _dispatch(*args: Any) -> tuple[torch.Tensor, ...]:
@@ -503,8 +521,9 @@ def verify(
         if allow_t.dtype not in (torch.bool, torch.uint8):
             raise TypeError(f"allow: expected bool (or uint8), got {allow_t.dtype}")
         if tuple(allow_t.shape) != (batch, n):
-            raise ValueError(f"allow: expected shape [B, N] = [{batch}, {n}], got "
-                             f"{list(allow_t.shape)}")  # fmt: skip
+            raise ValueError(
+                f"allow: expected shape [B, N] = [{batch}, {n}], got {list(allow_t.shape)}"
+            )
         _same_device(allow_t, "allow", device)
         allow_t = allow_t.contiguous()
 
@@ -534,8 +553,9 @@ def verify(
             raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
     elif method == "topk_accept":
         if not isinstance(topk_accept, (int, np.integer)) or isinstance(topk_accept, bool):
-            raise ValueError(f"topk_accept: method='topk_accept' needs an int K >= 1, got "
-                             f"{topk_accept!r}")  # fmt: skip
+            raise ValueError(
+                f"topk_accept: method='topk_accept' needs an int K >= 1, got {topk_accept!r}"
+            )
         if not 1 <= topk_accept < 2**31:
             raise ValueError(f"topk_accept: expected K >= 1, got {topk_accept}")
         k_v = int(topk_accept)
