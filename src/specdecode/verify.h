@@ -36,9 +36,9 @@ namespace verify {
 constexpr int kChunk = 256;
 constexpr int kMaxChunks = 2048;
 constexpr int64_t kMaxVocab = static_cast<int64_t>(kChunk) * kMaxChunks;  // 524288
-// Siblings sampled from q are verified by recursive rejection sampling whose per-level state is
-// kept in fixed arrays; a node may have at most this many children when draft_probs is given.
-constexpr int kMaxSampledSiblings = 64;
+// The tried siblings of a node (and, with q, the per-level state of recursive rejection sampling)
+// live in fixed per-thread arrays, so a node may have at most this many children.
+constexpr int kMaxSiblings = 64;
 
 enum Method : int32_t {
   kExact = 0,
@@ -57,7 +57,7 @@ enum StatusBits : int32_t {
   kBadTree = 16,         // invalid parents row, or num_nodes outside [1, nodes of the tree]
   kBadToken = 32,        // a draft token outside [0, V)
   kDepthOverflow = 64,   // the accepted path could exceed max_depth
-  kTooManySiblings = 128,  // more than kMaxSampledSiblings children of one node with draft_probs
+  kTooManySiblings = 128,  // a node with more than kMaxSiblings children
 };
 
 // ---- arithmetic that rounds identically on host and device ------------------------------------
@@ -367,9 +367,9 @@ SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, bool logits
 // Given a rejection, p_l(x_l) <= q_l(x_l), so p_{l+1} has no mass on tried tokens either.
 struct SiblingLevels {
   int levels;
-  int32_t tried[kMaxSampledSiblings];
-  float beta[kMaxSampledSiblings];
-  float q_scale[kMaxSampledSiblings + 1];  // 1 / (1 - tried q mass) at each level, 0 if none left
+  int32_t tried[kMaxSiblings];
+  float beta[kMaxSiblings];
+  float q_scale[kMaxSiblings + 1];  // 1 / (1 - tried q mass) at each level, 0 if none left
   float tried_q;
 };
 
@@ -635,7 +635,7 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
           accepted = c;
           break;
         }
-        if (lv.levels == kMaxSampledSiblings) {
+        if (lv.levels == kMaxSiblings) {
           status |= kTooManySiblings;
           break;
         }
@@ -696,12 +696,16 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
     } else {
       // Exact / relaxed with deterministic children (no q): accept c with
       // p(c) / (1 - p(tried)) (+ eps for relaxed); the residual is p without the tried tokens.
-      int32_t tried[kMaxTreeNodes];
+      int32_t tried[kMaxSiblings];
       int num_tried = 0;
       float tried_w = 0.f;
       for (int c = first; c >= 0; c = next_child(parents, node, c, count)) {
         if (allow && allow[c]) {
           accepted = c;
+          break;
+        }
+        if (num_tried == kMaxSiblings) {
+          status |= kTooManySiblings;
           break;
         }
         const int32_t x = tokens[c];
@@ -721,6 +725,7 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
           tried_w = fadd(tried_w, wx);
         }
       }
+      if (status != 0) break;
       if (accepted < 0) {
         if ((a.method == kRelaxed && a.correction_from_target) || num_tried == 0) {
           final_token = static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));

@@ -35,8 +35,8 @@ from .tree import MAX_TREE_NODES, tree_info
 MAX_VOCAB = 256 * 2048
 """Largest vocabulary the kernels accept (fixed chunking of the canonical sums)."""
 
-MAX_SAMPLED_SIBLINGS = 64
-"""Most children one node may have when ``draft_probs`` is given."""
+MAX_SIBLINGS = 64
+"""Most children one node of a draft tree may have (exact and relaxed methods)."""
 
 STATUS_NON_FINITE = 1
 """Status bit: a target row on the walk had a NaN/+Inf logit (or a NaN/Inf/negative probability)."""
@@ -214,8 +214,8 @@ def _raise_walk_errors(status: torch.Tensor, parents: Optional[torch.Tensor], n:
     else:
         what = (
             "parents",
-            f"batch row {b} has a node with more than {MAX_SAMPLED_SIBLINGS} children; "
-            "with draft_probs at most that many siblings are supported",
+            f"batch row {b} has a node with more than {MAX_SIBLINGS} children, "
+            "the most verify supports",
         )
     raise ValueError(f"{what[0]}: {what[1]}")
 
