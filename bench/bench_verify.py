@@ -41,7 +41,11 @@ def timeit(fn, min_time: float = 0.3, min_reps: int = 3, max_reps: int = 200) ->
     fn()  # warm-up
     times = []
     start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < min_time):
+
+    def more() -> bool:
+        return len(times) < min_reps or time.perf_counter() - start < min_time
+
+    while len(times) < max_reps and more():
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -77,6 +81,56 @@ def make_case(b: int, parents: list[int] | None, n: int, v: int, gen: torch.Gene
     return target, q, tokens
 
 
+def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling) -> list[str]:
+    out = []
+    target, q, tokens = make_case(b, parents_list, n, v, gen)
+    parents = None
+    if parents_list is not None:
+        parents = torch.tensor(parents_list, dtype=torch.int32).expand(b, n).contiguous()
+    seed = torch.arange(b)
+    for kind in ("logits", "probs"):
+        logits = kind == "logits"
+        rows = target if logits else torch.softmax(target, -1)
+        kw = dict(parents=parents, draft_probs=q, seed=seed, offset=1, target_is_logits=logits)
+
+        def native(rows=rows, kw=kw):
+            return ops.verify(rows, tokens, **kw)
+
+        res = native()
+        t_native = timeit(native)
+        visited = int(res.num_accepted.sum()) + b
+        if parents_list is None:
+            rejected = int((res.num_accepted < n - 1).sum())
+        else:
+            rejected = b  # counted as one q row per sequence
+        bytes_read = (visited + rejected) * v * 4
+        gbs = bytes_read / t_native / 1e9
+        t_torch = t_hf = float("nan")
+        if parents_list is None:
+
+            def baseline(rows=rows, logits=logits):
+                return torch_verify_chain(rows, q, tokens, target_is_logits=logits)
+
+            t_torch = timeit(baseline)
+            if b == 1 and logits and hf_sampling is not None:
+                k = n - 1
+                ids = tokens[:, 1:]
+                cand_logits = torch.log(q[:, :k])
+
+                def hf(rows=rows, ids=ids, cand_logits=cand_logits, k=k):
+                    return hf_sampling(ids, cand_logits, k, rows)
+
+                t_hf = timeit(hf)
+        line = (
+            f"| {name} | {b} | {v} | {kind} | {t_native * 1e3:.3f} | "
+            f"{t_torch * 1e3:.3f} | {t_torch / t_native:.1f}x | {t_hf * 1e3:.3f} | "
+            f"{visited / b - 1:.2f} | {gbs:.1f} | {100 * gbs / bw:.0f}% |"
+        )
+        print(line, flush=True)
+        out.append(line)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="B=8 only, fewer cases")
@@ -105,51 +159,7 @@ def main() -> None:
     for name, parents_list, n in shapes:
         for v in (32000, 128256):
             for b in batches:
-                target, q, tokens = make_case(b, parents_list, n, v, gen)
-                parents = None
-                if parents_list is not None:
-                    parents = torch.tensor(parents_list, dtype=torch.int32).expand(b, n)
-                    parents = parents.contiguous()
-                seed = torch.arange(b)
-                for kind in ("logits", "probs"):
-                    logits = kind == "logits"
-                    rows = target if logits else torch.softmax(target, -1)
-                    kw = dict(parents=parents, draft_probs=q, seed=seed, offset=1,
-                              target_is_logits=logits)  # fmt: skip
-                    res = ops.verify(rows, tokens, **kw)
-                    t_native = timeit(lambda rows=rows, kw=kw: ops.verify(rows, tokens, **kw))
-                    visited = int(res.num_accepted.sum()) + b
-                    rejected = int((res.num_accepted < res.path.shape[1] - 1).sum())
-                    if parents_list is not None:
-                        rejected = b  # a tree stops at a node with children or at a leaf
-                    bytes_read = (visited + rejected) * v * 4
-                    gbs = bytes_read / t_native / 1e9
-                    t_torch = float("nan")
-                    t_hf = float("nan")
-                    if parents_list is None:
-                        t_torch = timeit(
-                            lambda rows=rows, logits=logits: torch_verify_chain(
-                                rows, q, tokens, target_is_logits=logits
-                            )
-                        )
-                        if b == 1 and logits and _speculative_sampling is not None:
-                            k = n - 1
-                            ids = tokens[:, 1:]
-                            cand_logits = torch.log(q[:, :k])
-
-                            def hf(rows=rows, ids=ids, cand_logits=cand_logits, k=k):
-                                return _speculative_sampling(ids, cand_logits, k, rows)
-
-                            t_hf = timeit(hf)
-                    speedup = t_torch / t_native
-                    line = (
-                        f"| {name} | {b} | {v} | {kind} | {t_native * 1e3:.3f} | "
-                        f"{t_torch * 1e3:.3f} | {speedup:.1f}x | {t_hf * 1e3:.3f} | "
-                        f"{visited / b - 1:.2f} | {gbs:.1f} | {100 * gbs / bw:.0f}% |"
-                    )
-                    print(line, flush=True)
-                    lines.append(line)
-                del target, q, tokens
+                lines += run_case(name, parents_list, n, v, b, gen, bw, _speculative_sampling)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -22,27 +22,57 @@ class CpuExec {
   bool leader() const { return true; }
   float* sums(int which) { return which ? sums1_.data() : sums0_.data(); }
 
+  // Max over 8 lanes (exact, so the lane order does not matter) keeps the loop vectorised; the
+  // argmax is then the first index holding the max, as the GPU's tie rule gives.
   template <class Load, class Bad>
   ScanResult scan(int64_t n, const Load& load, const Bad& bad) {
+    float lane[8];
+    int flag[8];
+    for (int j = 0; j < 8; ++j) {
+      lane[j] = -verify::kInf;
+      flag[j] = 0;
+    }
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      for (int j = 0; j < 8; ++j) {
+        const float v = load(i + j);
+        flag[j] |= bad(v) ? 1 : 0;
+        lane[j] = v > lane[j] ? v : lane[j];
+      }
+    }
+    for (int j = 0; i + j < n; ++j) {
+      const float v = load(i + j);
+      flag[j] |= bad(v) ? 1 : 0;
+      lane[j] = v > lane[j] ? v : lane[j];
+    }
     ScanResult r{-verify::kInf, 0, false};
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = load(i);
-      if (bad(v)) r.bad = true;
-      if (v > r.max) {
-        r.max = v;
-        r.argmax = i;
+    for (int j = 0; j < 8; ++j) {
+      r.max = lane[j] > r.max ? lane[j] : r.max;
+      r.bad = r.bad || flag[j] != 0;
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      if (load(k) == r.max) {
+        r.argmax = k;
+        break;
       }
     }
     return r;
   }
 
+  // The weights are first written to a buffer in one plain loop (which the compiler vectorises;
+  // the canonical lane order of chunk_sum would not), then summed in the canonical order. The
+  // values and the order of additions are exactly those of chunk_sum(f, ...).
   template <class F>
   float chunk_sums(int64_t n, const F& f, int which) {
+    weights_.resize(static_cast<size_t>(n));
+    float* w = weights_.data();
+    for (int64_t i = 0; i < n; ++i) w[i] = f(i);
+    const auto read = [w](int64_t i) { return w[i]; };
     float* out = sums(which);
     const int chunks = verify::num_chunks(n);
     for (int c = 0; c < chunks; ++c) {
       const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
-      out[c] = verify::chunk_sum(f, begin, std::min<int64_t>(begin + verify::kChunk, n));
+      out[c] = verify::chunk_sum(read, begin, std::min<int64_t>(begin + verify::kChunk, n));
     }
     return verify::sequential_total(out, chunks);
   }
@@ -66,7 +96,7 @@ class CpuExec {
   }
 
  private:
-  std::vector<float> sums0_, sums1_, scratch_;
+  std::vector<float> sums0_, sums1_, scratch_, weights_;
 };
 
 template <class T, class Q>

@@ -122,7 +122,10 @@ SD_HD_INLINE float exp_approx(float x) {
   p = fadd(fmul(p, r), 1.0f);
   const int e = static_cast<int>(n) + 127;  // in [1, 254] by the clamps above
   const float scale = bits_to_float(static_cast<uint32_t>(e) << 23);
-  return tiny ? 0.0f : fmul(p, scale);
+  // Evaluated unconditionally, then selected: with -ftrapping-math a conditional multiply would
+  // keep the CPU loops from vectorising.
+  const float y = fmul(p, scale);
+  return tiny ? 0.0f : y;
 }
 
 // Natural log of a positive finite x, about 2 ulp.
@@ -264,26 +267,30 @@ struct RowState {
   int32_t status;
 };
 
-SD_HD_INLINE float row_weight(float raw, bool logits, float inv_temp, const RowState& st) {
-  float w;
-  if (logits) {
-    w = raw >= st.kth ? exp_approx(fsub(fmul(raw, inv_temp), st.scaled_max)) : 0.f;
-  } else {
-    w = raw >= st.kth ? raw : 0.f;
-  }
-  return w >= st.wmin ? w : 0.f;
-}
-
+// The thresholds are held by value (not through a RowState pointer) so that a CPU loop over the
+// row keeps them in registers and vectorises.
 template <class T>
 struct RowWeight {
   const T* row;
   bool logits;
   float inv_temp;
-  const RowState* st;
+  float kth;
+  float scaled_max;
+  float wmin;
   SD_HD_INLINE float operator()(int64_t i) const {
-    return row_weight(load_elem(row, i), logits, inv_temp, *st);
+    // Branch-free (both forms computed, then selected) so that CPU loops over i vectorise.
+    const float raw = load_elem(row, i);
+    const float e = exp_approx(fsub(fmul(raw, inv_temp), scaled_max));
+    const float w = raw >= kth ? (logits ? e : raw) : 0.f;
+    return w >= wmin ? w : 0.f;
   }
 };
+
+template <class T>
+SD_HD_INLINE RowWeight<T> row_weight_of(const T* row, bool logits, float inv_temp,
+                                        const RowState& st) {
+  return RowWeight<T>{row, logits, inv_temp, st.kth, st.scaled_max, st.wmin};
+}
 
 template <class T>
 struct RowLoad {
@@ -335,25 +342,24 @@ SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, bool logits
     }
   }
   if (sp.top_k > 0 && sp.top_k < n) st.kth = ex.kth_largest(n, load, sp.top_k);
-  const RowWeight<T> weight{row, logits, sp.inv_temp, &st};
-  float total = ex.chunk_sums(n, weight, 0);
+  float total = ex.chunk_sums(n, row_weight_of(row, logits, sp.inv_temp, st), 0);
   if (sp.top_p < 1.f) {
     const float wanted = fmul(sp.top_p, total);
     // mass(t) = canonical sum of {w >= t} never increases with t (rounding is monotone), so a
     // binary search over the bit patterns of t >= 0 finds the largest t with mass(t) >= wanted.
     uint32_t lo = 0u;
-    uint32_t hi = float_to_bits(weight(st.argmax));
+    uint32_t hi = float_to_bits(row_weight_of(row, logits, sp.inv_temp, st)(st.argmax));
     while (lo < hi) {
       const uint32_t mid = lo + (hi - lo + 1u) / 2u;
       st.wmin = bits_to_float(mid);
-      if (ex.chunk_sums(n, weight, 1) >= wanted) {
+      if (ex.chunk_sums(n, row_weight_of(row, logits, sp.inv_temp, st), 1) >= wanted) {
         lo = mid;
       } else {
         hi = mid - 1u;
       }
     }
     st.wmin = bits_to_float(lo);
-    total = ex.chunk_sums(n, weight, 0);
+    total = ex.chunk_sums(n, row_weight_of(row, logits, sp.inv_temp, st), 0);
   }
   st.total = total;
   if (!(total > 0.f)) st.status = kZeroMassTarget;
@@ -406,6 +412,21 @@ struct ResidualWeight {
     level_pq(*lv, weight(i), q, i, inv_total, &p, &ql);
     const float d = fsub(p, ql);
     return d > 0.f ? d : 0.f;
+  }
+};
+
+// The same at level 0 (every chain, and the first child of a tree node): branch-free, so that a
+// CPU loop over the row vectorises. Bit-identical to ResidualWeight with levels == 0.
+template <class T, class Q>
+struct FirstResidualWeight {
+  RowWeight<T> weight;
+  const Q* qrow;
+  float inv_total;
+  SD_HD_INLINE float operator()(int64_t i) const {
+    const float q = load_elem(qrow, i);
+    const float d = fsub(fmul(weight(i), inv_total), fmul(q, 1.f));
+    const float r = d > 0.f ? d : 0.f;
+    return bad_prob(q) ? bits_to_float(0x7fc00000u) : r;
   }
 };
 
@@ -578,7 +599,7 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
       status |= kDepthOverflow;
       break;
     }
-    const RowWeight<T> weight{trow, a.logits, sp.inv_temp, &st};
+    const RowWeight<T> weight = row_weight_of(trow, a.logits, sp.inv_temp, st);
     int accepted = -1;
 
     if (greedy) {
@@ -655,7 +676,9 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
           break;
         }
         const float beta =
-            ex.chunk_sums(vocab, ResidualWeight<T, Q>{weight, qrow, &lv, inv_total}, 1);
+            lv.levels == 0
+                ? ex.chunk_sums(vocab, FirstResidualWeight<T, Q>{weight, qrow, inv_total}, 1)
+                : ex.chunk_sums(vocab, ResidualWeight<T, Q>{weight, qrow, &lv, inv_total}, 1);
         if (is_nan(beta)) {
           status |= kBadDraftRow;
           break;
@@ -686,11 +709,16 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
         } else {
           // sums(1) holds the chunk sums of the last level's residual; rebuild its weight with
           // the levels as they were when those sums were taken.
-          SiblingLevels last = lv;
-          --last.levels;
-          const ResidualWeight<T, Q> residual{weight, qrow, &last, inv_total};
-          final_token = static_cast<int32_t>(
-              sample_from(ex, residual, 1, lv.beta[lv.levels - 1], vocab, sp, node));
+          const float beta = lv.beta[lv.levels - 1];
+          if (lv.levels == 1) {
+            const FirstResidualWeight<T, Q> residual{weight, qrow, inv_total};
+            final_token = static_cast<int32_t>(sample_from(ex, residual, 1, beta, vocab, sp, node));
+          } else {
+            SiblingLevels last = lv;
+            --last.levels;
+            const ResidualWeight<T, Q> residual{weight, qrow, &last, inv_total};
+            final_token = static_cast<int32_t>(sample_from(ex, residual, 1, beta, vocab, sp, node));
+          }
         }
       }
     } else {
