@@ -170,7 +170,7 @@ cudaError_t launch(const verify::VerifyArgs& args, cudaStream_t stream) {
 }
 
 template <class T>
-cudaError_t launch_target(const verify::VerifyArgs& args, int draft_dtype, cudaStream_t stream) {
+cudaError_t launch_draft(const verify::VerifyArgs& args, int draft_dtype, cudaStream_t stream) {
   switch (draft_dtype) {
     case 1:
       return launch<T, verify::Half>(args, stream);
@@ -179,6 +179,13 @@ cudaError_t launch_target(const verify::VerifyArgs& args, int draft_dtype, cudaS
     default:
       return launch<T, float>(args, stream);
   }
+}
+
+// Rows of probabilities are their own element type (no exp in their loops), as on the CPU.
+template <class E>
+cudaError_t launch_target(const verify::VerifyArgs& args, int draft_dtype, cudaStream_t stream) {
+  if (args.logits) return launch_draft<E>(args, draft_dtype, stream);
+  return launch_draft<verify::Prob<E>>(args, draft_dtype, stream);
 }
 
 }  // namespace

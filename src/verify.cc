@@ -1,5 +1,7 @@
 #include <algorithm>
+#include <cstdlib>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "specdecode/parallel.h"
@@ -13,105 +15,57 @@ namespace {
 
 using verify::ScanResult;
 
-// The executor of the shared walk on one CPU thread: plain loops in index order.
-class CpuExec {
- public:
-  explicit CpuExec(int64_t vocab)
-      : sums0_(verify::num_chunks(vocab)), sums1_(verify::num_chunks(vocab)) {}
+#define SD_CPU_EXEC CpuExec
+#include "verify_cpu_exec.inc"
+#undef SD_CPU_EXEC
 
-  bool leader() const { return true; }
-  float* sums(int which) { return which ? sums1_.data() : sums0_.data(); }
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SD_VERIFY_HAVE_AVX2 1
+// The row loops are the whole cost; compiled for AVX2 they run about twice as wide. The walk
+// around them stays baseline code and calls into these methods.
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#define SD_CPU_EXEC CpuExecAvx2
+#include "verify_cpu_exec.inc"
+#undef SD_CPU_EXEC
+#pragma GCC pop_options
+#endif
 
-  // Max over 8 lanes (exact, so the lane order does not matter) keeps the loop vectorised; the
-  // argmax is then the first index holding the max, as the GPU's tie rule gives.
-  template <class Load, class Bad>
-  ScanResult scan(int64_t n, const Load& load, const Bad& bad) {
-    float lane[8];
-    int flag[8];
-    for (int j = 0; j < 8; ++j) {
-      lane[j] = -verify::kInf;
-      flag[j] = 0;
-    }
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      for (int j = 0; j < 8; ++j) {
-        const float v = load(i + j);
-        flag[j] |= bad(v) ? 1 : 0;
-        lane[j] = v > lane[j] ? v : lane[j];
-      }
-    }
-    for (int j = 0; i + j < n; ++j) {
-      const float v = load(i + j);
-      flag[j] |= bad(v) ? 1 : 0;
-      lane[j] = v > lane[j] ? v : lane[j];
-    }
-    ScanResult r{-verify::kInf, 0, false};
-    for (int j = 0; j < 8; ++j) {
-      r.max = lane[j] > r.max ? lane[j] : r.max;
-      r.bad = r.bad || flag[j] != 0;
-    }
-    for (int64_t k = 0; k < n; ++k) {
-      if (load(k) == r.max) {
-        r.argmax = k;
-        break;
-      }
-    }
-    return r;
-  }
-
-  // The weights are first written to a buffer in one plain loop (which the compiler vectorises;
-  // the canonical lane order of chunk_sum would not), then summed in the canonical order. The
-  // values and the order of additions are exactly those of chunk_sum(f, ...).
-  template <class F>
-  float chunk_sums(int64_t n, const F& f, int which) {
-    weights_.resize(static_cast<size_t>(n));
-    float* w = weights_.data();
-    for (int64_t i = 0; i < n; ++i) w[i] = f(i);
-    const auto read = [w](int64_t i) { return w[i]; };
-    float* out = sums(which);
-    const int chunks = verify::num_chunks(n);
-    for (int c = 0; c < chunks; ++c) {
-      const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
-      out[c] = verify::chunk_sum(read, begin, std::min<int64_t>(begin + verify::kChunk, n));
-    }
-    return verify::sequential_total(out, chunks);
-  }
-
-  template <class Pred>
-  int64_t count_if(int64_t n, const Pred& pred) {
-    int64_t count = 0;
-    for (int64_t i = 0; i < n; ++i) count += pred(i) ? 1 : 0;
-    return count;
-  }
-
-  // The k-th largest value is unique, so any exact selection gives what the GPU's radix select
-  // gives.
-  template <class Load>
-  float kth_largest(int64_t n, const Load& load, int64_t k) {
-    scratch_.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) scratch_[i] = load(i);
-    std::nth_element(scratch_.begin(), scratch_.begin() + (k - 1), scratch_.end(),
-                     std::greater<float>());
-    return scratch_[k - 1];
-  }
-
- private:
-  std::vector<float> sums0_, sums1_, scratch_, weights_;
-};
+// SPECDECODE_CPU_ISA=baseline forces the baseline loops (to check that both agree).
+bool use_avx2() {
+#ifdef SD_VERIFY_HAVE_AVX2
+  static const bool enabled = [] {
+    const char* isa = std::getenv("SPECDECODE_CPU_ISA");
+    if (isa && std::string(isa) == "baseline") return false;
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return enabled;
+#else
+  return false;
+#endif
+}
 
 template <class T, class Q>
 void run(const verify::VerifyArgs& args) {
   // A row costs a few passes over V; small vocabularies (statistical tests) batch many rows.
   const int64_t per_row = std::max<int64_t>(1, args.vocab * args.n);
   const int64_t grain = std::max<int64_t>(1, 65536 / per_row);
+  const bool avx2 = use_avx2();
   parallel_for(args.batch, grain, [&](int64_t begin, int64_t end) {
+#ifdef SD_VERIFY_HAVE_AVX2
+    if (avx2) {
+      CpuExecAvx2 ex(args.vocab);
+      for (int64_t b = begin; b < end; ++b) verify::verify_sequence<CpuExecAvx2, T, Q>(ex, args, b);
+      return;
+    }
+#endif
     CpuExec ex(args.vocab);
     for (int64_t b = begin; b < end; ++b) verify::verify_sequence<CpuExec, T, Q>(ex, args, b);
   });
 }
 
 template <class T>
-void run_target(const verify::VerifyArgs& args, VerifyDType draft) {
+void run_draft(const verify::VerifyArgs& args, VerifyDType draft) {
   switch (draft) {
     case VerifyDType::kFloat16:
       return run<T, verify::Half>(args);
@@ -120,6 +74,14 @@ void run_target(const verify::VerifyArgs& args, VerifyDType draft) {
     default:
       return run<T, float>(args);  // float32 draft, or none (null pointer, never read)
   }
+}
+
+// Rows of probabilities are a different element type, so the logits' exp stays out of their
+// loops.
+template <class E>
+void run_target(const verify::VerifyArgs& args, VerifyDType draft) {
+  if (args.logits) return run_draft<E>(args, draft);
+  return run_draft<verify::Prob<E>>(args, draft);
 }
 
 }  // namespace

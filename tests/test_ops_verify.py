@@ -548,6 +548,39 @@ def test_same_seed_same_tokens_permutation_and_threads():
     assert not torch.equal(a.emitted, f.emitted)
 
 
+_ISA_SCRIPT = """
+import sys, torch
+from specdecode import ops
+g = torch.Generator().manual_seed(5)
+b, n, v = 16, 5, 3001
+logits = torch.randn(b, n, v, generator=g) * 3
+q = torch.softmax(torch.randn(b, n, v, generator=g) * 2, -1)
+tokens = torch.randint(0, v, (b, n), generator=g)
+parents = torch.tensor([-1, 0, 0, 1, 2], dtype=torch.int32).expand(b, n).contiguous()
+outs = []
+for kw in (dict(draft_probs=q), dict(parents=parents, draft_probs=q, top_k=40, top_p=0.8),
+           dict(temperature=0.6), dict(method="typical"),
+           dict(target_is_logits=False, draft_probs=q)):
+    t = torch.softmax(logits, -1) if kw.get("target_is_logits") is False else logits
+    r = ops.verify(t, tokens, seed=torch.arange(b), offset=1, **kw)
+    outs.append(torch.cat([r.emitted.flatten(), r.num_emitted, r.status]))
+torch.save(torch.cat(outs), sys.argv[1])
+"""
+
+
+def test_cpu_isa_paths_agree(tmp_path):
+    """The AVX2 row loops and the baseline ones must give identical tokens (as the GPU must)."""
+    import subprocess
+
+    results = []
+    for isa in ("baseline", "auto"):
+        env = dict(os.environ, SPECDECODE_CPU_ISA=isa)
+        out = tmp_path / f"{isa}.pt"
+        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(out)], env=env, check=True)
+        results.append(torch.load(out))
+    assert torch.equal(results[0], results[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_inputs_equal_float_of_the_same_values(dtype):
     gen = torch.Generator().manual_seed(91)

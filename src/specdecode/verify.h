@@ -172,6 +172,25 @@ SD_HD_INLINE float load_elem(const BFloat16* p, int64_t i) {
   return bf16_to_float(p[i].bits);
 }
 
+// A target row type of element E that holds probabilities instead of logits. Making this a type
+// (not a runtime flag) keeps the exp out of the probability path's loops.
+template <class E>
+struct Prob {
+  E v;
+};
+template <class E>
+SD_HD_INLINE float load_elem(const Prob<E>* p, int64_t i) {
+  return load_elem(&p[i].v, 0);
+}
+template <class T>
+struct IsProb {
+  static constexpr bool value = false;
+};
+template <class E>
+struct IsProb<Prob<E>> {
+  static constexpr bool value = true;
+};
+
 // ---- canonical sums and inverse-CDF sampling ---------------------------------------------------
 SD_HD_INLINE int num_chunks(int64_t n) {
   return static_cast<int>((n + kChunk - 1) / kChunk);
@@ -272,24 +291,27 @@ struct RowState {
 template <class T>
 struct RowWeight {
   const T* row;
-  bool logits;
   float inv_temp;
   float kth;
   float scaled_max;
   float wmin;
   SD_HD_INLINE float operator()(int64_t i) const {
-    // Branch-free (both forms computed, then selected) so that CPU loops over i vectorise.
+    // Branch-free (computed, then selected) so that CPU loops over i vectorise.
     const float raw = load_elem(row, i);
-    const float e = exp_approx(fsub(fmul(raw, inv_temp), scaled_max));
-    const float w = raw >= kth ? (logits ? e : raw) : 0.f;
+    float w;
+    if constexpr (IsProb<T>::value) {
+      w = raw >= kth ? raw : 0.f;
+    } else {
+      const float e = exp_approx(fsub(fmul(raw, inv_temp), scaled_max));
+      w = raw >= kth ? e : 0.f;
+    }
     return w >= wmin ? w : 0.f;
   }
 };
 
 template <class T>
-SD_HD_INLINE RowWeight<T> row_weight_of(const T* row, bool logits, float inv_temp,
-                                        const RowState& st) {
-  return RowWeight<T>{row, logits, inv_temp, st.kth, st.scaled_max, st.wmin};
+SD_HD_INLINE RowWeight<T> row_weight_of(const T* row, float inv_temp, const RowState& st) {
+  return RowWeight<T>{row, inv_temp, st.kth, st.scaled_max, st.wmin};
 }
 
 template <class T>
@@ -311,8 +333,9 @@ struct BadTarget {
 #pragma nv_exec_check_disable
 #endif
 template <class Ex, class T>
-SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, bool logits,
-                                    const SeqParams& sp, bool need_distribution) {
+SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, const SeqParams& sp,
+                                    bool need_distribution) {
+  constexpr bool logits = !IsProb<T>::value;
   RowState st;
   st.max_raw = 0.f;
   st.argmax = 0;
@@ -342,24 +365,24 @@ SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, bool logits
     }
   }
   if (sp.top_k > 0 && sp.top_k < n) st.kth = ex.kth_largest(n, load, sp.top_k);
-  float total = ex.chunk_sums(n, row_weight_of(row, logits, sp.inv_temp, st), 0);
+  float total = ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 0);
   if (sp.top_p < 1.f) {
     const float wanted = fmul(sp.top_p, total);
     // mass(t) = canonical sum of {w >= t} never increases with t (rounding is monotone), so a
     // binary search over the bit patterns of t >= 0 finds the largest t with mass(t) >= wanted.
     uint32_t lo = 0u;
-    uint32_t hi = float_to_bits(row_weight_of(row, logits, sp.inv_temp, st)(st.argmax));
+    uint32_t hi = float_to_bits(row_weight_of(row, sp.inv_temp, st)(st.argmax));
     while (lo < hi) {
       const uint32_t mid = lo + (hi - lo + 1u) / 2u;
       st.wmin = bits_to_float(mid);
-      if (ex.chunk_sums(n, row_weight_of(row, logits, sp.inv_temp, st), 1) >= wanted) {
+      if (ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 1) >= wanted) {
         lo = mid;
       } else {
         hi = mid - 1u;
       }
     }
     st.wmin = bits_to_float(lo);
-    total = ex.chunk_sums(n, row_weight_of(row, logits, sp.inv_temp, st), 0);
+    total = ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 0);
   }
   st.total = total;
   if (!(total > 0.f)) st.status = kZeroMassTarget;
@@ -589,7 +612,7 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
   while (status == 0) {
     const int64_t row_index = b * n + node;
     const T* trow = target + row_index * vocab;
-    const RowState st = prepare_row(ex, trow, vocab, a.logits, sp, !greedy);
+    const RowState st = prepare_row(ex, trow, vocab, sp, !greedy);
     if (st.status) {
       status |= st.status;
       break;
@@ -599,7 +622,7 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
       status |= kDepthOverflow;
       break;
     }
-    const RowWeight<T> weight = row_weight_of(trow, a.logits, sp.inv_temp, st);
+    const RowWeight<T> weight = row_weight_of(trow, sp.inv_temp, st);
     int accepted = -1;
 
     if (greedy) {
