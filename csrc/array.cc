@@ -14,31 +14,46 @@ void throw_type_error(const std::string& msg) { throw py::type_error(msg); }
 
 const char* dtype_name(DType dt) {
   switch (dt) {
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kUInt32: return "uint32";
-    case DType::kUInt8: return "uint8";
-    case DType::kBool: return "bool";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
-    default: return "an unsupported dtype";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kUInt32:
+      return "uint32";
+    case DType::kUInt8:
+      return "uint8";
+    case DType::kBool:
+      return "bool";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+    default:
+      return "an unsupported dtype";
   }
 }
 
 int dtype_size(DType dt) {
   switch (dt) {
     case DType::kInt64:
-    case DType::kFloat64: return 8;
+    case DType::kFloat64:
+      return 8;
     case DType::kInt32:
     case DType::kUInt32:
-    case DType::kFloat32: return 4;
+    case DType::kFloat32:
+      return 4;
     case DType::kFloat16:
-    case DType::kBFloat16: return 2;
+    case DType::kBFloat16:
+      return 2;
     case DType::kUInt8:
-    case DType::kBool: return 1;
-    default: return 0;
+    case DType::kBool:
+      return 1;
+    default:
+      return 0;
   }
 }
 
@@ -70,17 +85,46 @@ DType to_dtype(const SdDLDataType& t) {
     case kSdDLBool:
       if (t.bits == 8) return DType::kBool;
       break;
-    default: break;
+    default:
+      break;
   }
   return DType::kOther;
 }
 
 std::string type_name(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
 
+// torch.Tensor.__dlpack__ is Python code costing microseconds per array; torch's C-level
+// to_dlpack does the same export (no stream sync, like stream=-1) in a fraction of that. Exact
+// torch.Tensor / Parameter objects take that path; subclasses keep the protocol.
+bool torch_fast_export(py::handle obj, py::object* capsule) {
+  static PyTypeObject* tensor_type = nullptr;
+  static PyTypeObject* parameter_type = nullptr;
+  static PyObject* to_dlpack = nullptr;
+  if (!tensor_type) {
+    PyObject* torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");
+    if (!torch) return false;  // torch not imported (yet): nothing of its can reach us
+    py::module_ mod = py::reinterpret_borrow<py::module_>(torch);
+    if (!py::hasattr(mod, "_C") || !py::hasattr(mod.attr("_C"), "_to_dlpack")) return false;
+    // Kept for the life of the process.
+    to_dlpack = py::object(mod.attr("_C").attr("_to_dlpack")).release().ptr();
+    parameter_type = reinterpret_cast<PyTypeObject*>(
+        py::object(mod.attr("nn").attr("Parameter")).release().ptr());
+    tensor_type = reinterpret_cast<PyTypeObject*>(py::object(mod.attr("Tensor")).release().ptr());
+  }
+  PyTypeObject* type = Py_TYPE(obj.ptr());
+  if (type != tensor_type && type != parameter_type) return false;
+  PyObject* result = PyObject_CallOneArg(to_dlpack, obj.ptr());
+  if (!result) throw py::error_already_set();
+  *capsule = py::reinterpret_steal<py::object>(result);
+  return true;
+}
+
 // Asks the producer for a capsule: the versioned protocol first, the legacy one for producers
 // that do not know max_version. CUDA producers are told not to synchronise (stream -1): our
 // kernels run on the caller's current stream, the one that produced the data.
 py::object export_capsule(py::handle obj, const char* name) {
+  py::object fast;
+  if (torch_fast_export(obj, &fast)) return fast;
   if (!py::hasattr(obj, "__dlpack__")) {
     throw_type_error(std::string(name) +
                      ": expected an array that supports DLPack (torch.Tensor, numpy.ndarray, "
@@ -105,8 +149,8 @@ py::object export_capsule(py::handle obj, const char* name) {
     }
   } catch (py::error_already_set& e) {
     if (e.matches(PyExc_BufferError)) {
-      throw_value_error(std::string(name) + ": cannot be exported through DLPack: " +
-                        std::string(py::str(e.value())));
+      throw_value_error(std::string(name) +
+                        ": cannot be exported through DLPack: " + std::string(py::str(e.value())));
     }
     throw;
   }
@@ -148,9 +192,13 @@ Array Array::from_python(py::handle obj, const char* name, bool writable) {
   a.dtype_ = to_dtype(t->dtype);
   switch (t->device.device_type) {
     case kSdDLCPU:
-    case kSdDLCUDAHost: a.device_ = {DeviceKind::kCPU, 0}; break;
+    case kSdDLCUDAHost:
+      a.device_ = {DeviceKind::kCPU, 0};
+      break;
     case kSdDLCUDA:
-    case kSdDLCUDAManaged: a.device_ = {DeviceKind::kCUDA, t->device.device_id}; break;
+    case kSdDLCUDAManaged:
+      a.device_ = {DeviceKind::kCUDA, t->device.device_id};
+      break;
     default:
       throw_type_error(std::string(name) + ": unsupported device type " +
                        std::to_string(t->device.device_type) + " (expected CPU or CUDA)");
@@ -250,8 +298,10 @@ const Array& Array::expect_shape(std::initializer_list<int64_t> shape,
     os << (d++ ? ", " : "");
     const char* label = name_it != names.end() ? *name_it++ : nullptr;
     if (label) os << label << (s >= 0 ? "=" : "");
-    if (s >= 0) os << s;
-    else if (!label) os << "*";
+    if (s >= 0)
+      os << s;
+    else if (!label)
+      os << "*";
   }
   os << "], got " << shape_str();
   throw_value_error(os.str());

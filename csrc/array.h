@@ -19,8 +19,18 @@
 namespace sd {
 namespace py = pybind11;
 
-enum class DType { kInt32, kInt64, kUInt32, kUInt8, kBool, kFloat16, kBFloat16, kFloat32, kFloat64,
-                   kOther };
+enum class DType {
+  kInt32,
+  kInt64,
+  kUInt32,
+  kUInt8,
+  kBool,
+  kFloat16,
+  kBFloat16,
+  kFloat32,
+  kFloat64,
+  kOther
+};
 
 const char* dtype_name(DType dt);
 int dtype_size(DType dt);

@@ -1,5 +1,6 @@
 #include <pybind11/stl.h>
 
+#include "array.h"
 #include "registry.h"
 #include "specdecode/parallel.h"
 
@@ -59,6 +60,20 @@ py::dict build_info() {
   return info;
 }
 
+// What the DLPack consumer sees of an array: lets tests check the boundary for every dtype and
+// device without an op that takes that dtype.
+py::dict describe_array(py::handle obj, bool writable) {
+  Array a = Array::from_python(obj, "array", writable);
+  py::dict d;
+  d["dtype"] = dtype_name(a.dtype());
+  d["device"] = a.device().str();
+  d["shape"] = py::cast(a.shape());
+  d["strides"] = py::cast(a.strides());
+  d["contiguous"] = a.is_contiguous();
+  d["data"] = reinterpret_cast<std::uintptr_t>(a.raw());
+  return d;
+}
+
 }  // namespace
 
 void register_info(py::module_& m) {
@@ -71,6 +86,9 @@ void register_info(py::module_& m) {
         set_num_threads(n);
       },
       py::arg("n"), "Sets the threads the CPU kernels use (0 restores the default).");
+  m.def("describe_array", &describe_array, py::arg("array"), py::arg("writable") = false,
+        "Internal: dtype, device, shape, strides (elements) and data pointer as consumed via "
+        "DLPack.");
 #ifdef SPECDECODE_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

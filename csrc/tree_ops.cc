@@ -35,6 +35,7 @@ void tree_info(py::handle parents_obj, py::handle depth_obj, py::handle mask_obj
                py::handle num_nodes_obj, py::handle status_obj, std::intptr_t stream) {
   Array parents = Array::from_python(parents_obj, "parents");
   const auto [batch, n] = check_parents(parents);
+  const bool on_cuda = prepare_device(parents);
   const int words = mask_words(n);
   Array depth = Array::from_python(depth_obj, "depth", true);
   check_output(depth, parents, DType::kInt32, {batch, n});
@@ -46,7 +47,6 @@ void tree_info(py::handle parents_obj, py::handle depth_obj, py::handle mask_obj
   check_output(status, parents, DType::kInt32, {batch, 2});
 
   uint32_t* mask_ptr = mask ? mask->data<uint32_t>() : nullptr;
-  const bool on_cuda = prepare_device(parents);
   py::gil_scoped_release nogil;
   if (!on_cuda) {
     cpu::tree_info(parents.data<int32_t>(), batch, n, depth.data<int32_t>(), mask_ptr,
@@ -65,6 +65,7 @@ void tree_paths(py::handle parents_obj, py::handle depth_obj, py::handle num_nod
                 std::intptr_t stream) {
   Array parents = Array::from_python(parents_obj, "parents");
   const auto [batch, n] = check_parents(parents);
+  const bool on_cuda = prepare_device(parents);
   Array depth = Array::from_python(depth_obj, "depth");
   check_output(depth, parents, DType::kInt32, {batch, n});
   Array num_nodes = Array::from_python(num_nodes_obj, "num_nodes");
@@ -72,8 +73,10 @@ void tree_paths(py::handle parents_obj, py::handle depth_obj, py::handle num_nod
   std::optional<Array> paths = optional_array(paths_obj, "paths", true);
   int max_paths = 0, path_len = 0;
   if (paths) {
-    paths->expect_dtype({DType::kInt32}).expect_ndim(3).expect_contiguous().expect_same_device(
-        parents);
+    paths->expect_dtype({DType::kInt32})
+        .expect_ndim(3)
+        .expect_contiguous()
+        .expect_same_device(parents);
     paths->expect_shape({batch, -1, -1}, {"B", "L", "D+1"});
     if (paths->size(1) > kMaxTreeNodes || paths->size(2) > kMaxTreeNodes) {
       throw_value_error("paths: at most " + std::to_string(kMaxTreeNodes) +
@@ -88,7 +91,6 @@ void tree_paths(py::handle parents_obj, py::handle depth_obj, py::handle num_nod
   check_output(status, parents, DType::kInt32, {batch});
 
   int32_t* paths_ptr = paths ? paths->data<int32_t>() : nullptr;
-  const bool on_cuda = prepare_device(parents);
   py::gil_scoped_release nogil;
   if (!on_cuda) {
     cpu::tree_paths(parents.data<int32_t>(), depth.data<int32_t>(), num_nodes.data<int32_t>(),
@@ -99,8 +101,7 @@ void tree_paths(py::handle parents_obj, py::handle depth_obj, py::handle num_nod
 #ifdef SPECDECODE_WITH_CUDA
   check_cuda(cuda::tree_paths(parents.data<int32_t>(), depth.data<int32_t>(),
                               num_nodes.data<int32_t>(), batch, n, max_paths, path_len, paths_ptr,
-                              num_paths.data<int32_t>(), status.data<int32_t>(),
-                              as_stream(stream)),
+                              num_paths.data<int32_t>(), status.data<int32_t>(), as_stream(stream)),
              "tree_paths");
 #endif
 }

@@ -13,7 +13,8 @@ RuntimeInfo query_runtime() {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     info.error = cudaGetErrorString(err);
-    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    if (info.driver_version == 0) info.error = "no NVIDIA driver found (" + info.error + ")";
+    cudaGetLastError();  // clear the (non-sticky) error so later calls start clean
     return info;
   }
   for (int i = 0; i < count; ++i) {
@@ -34,9 +35,7 @@ bool set_device(int index, std::string* error) {
   return true;
 }
 
-std::string error_string(int code) {
-  return cudaGetErrorString(static_cast<cudaError_t>(code));
-}
+std::string error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
 }  // namespace cuda
 }  // namespace sd

@@ -78,8 +78,8 @@ cudaError_t tree_paths(const int32_t* parents, const int32_t* depth, const int32
   if (batch == 0) return cudaSuccess;
   constexpr int kThreads = 64;
   const unsigned blocks = static_cast<unsigned>((batch + kThreads - 1) / kThreads);
-  tree_paths_kernel<<<blocks, kThreads, 0, stream>>>(parents, depth, num_nodes, batch, n,
-                                                     max_paths, path_len, paths, num_paths, status);
+  tree_paths_kernel<<<blocks, kThreads, 0, stream>>>(parents, depth, num_nodes, batch, n, max_paths,
+                                                     path_len, paths, num_paths, status);
   return cudaGetLastError();
 }
 

@@ -13,6 +13,7 @@ Conventions shared by every op:
 
 from __future__ import annotations
 
+from ._ops.ngram import DraftTree, NGramCache
 from ._ops.tree import MAX_TREE_NODES, TreeInfo, chain_parents, tree_info, tree_paths
 from ._ops.verify import (
     MAX_VOCAB,
@@ -29,8 +30,10 @@ PAD_TOKEN: int = -1
 """Padding value for token ids and node indices in ragged batches."""
 
 __all__ = [
+    "DraftTree",
     "MAX_TREE_NODES",
     "MAX_VOCAB",
+    "NGramCache",
     "PAD_TOKEN",
     "STATUS_BAD_DRAFT",
     "STATUS_NON_FINITE",

@@ -27,7 +27,9 @@ constexpr int32_t kPad = -1;
 constexpr int kMaxTreeNodes = 1024;
 constexpr int kMaskWordBits = 32;
 
-SD_HD_INLINE int mask_words(int num_nodes) { return (num_nodes + kMaskWordBits - 1) / kMaskWordBits; }
+SD_HD_INLINE int mask_words(int num_nodes) {
+  return (num_nodes + kMaskWordBits - 1) / kMaskWordBits;
+}
 
 SD_HD_INLINE bool mask_test(const uint32_t* row, int j) {
   return (row[j / kMaskWordBits] >> (j % kMaskWordBits)) & 1u;
@@ -56,7 +58,9 @@ SD_HD_INLINE uint32_t float_to_bits(float f) {
 #endif
 }
 
-SD_HD_INLINE float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+SD_HD_INLINE float bf16_to_float(uint16_t h) {
+  return bits_to_float(static_cast<uint32_t>(h) << 16);
+}
 
 // Round to nearest even, NaN kept quiet.
 SD_HD_INLINE uint16_t float_to_bf16(float f) {
@@ -87,7 +91,7 @@ SD_HD_INLINE uint16_t float_to_half(float f) {
   const uint32_t bits = float_to_bits(f);
   const uint32_t sign = (bits >> 16) & 0x8000u;
   const uint32_t abs = bits & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // nan
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // nan
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
   if (abs < 0x33000001u) return static_cast<uint16_t>(sign);             // underflow -> 0
   uint32_t exp = abs >> 23;

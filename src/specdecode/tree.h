@@ -23,7 +23,7 @@ enum class TreeError : int32_t {
 // Checks one row and finds its node count. Returns kOk or the first error; *bad_node is the
 // offending node index (0 when the row is fine).
 SD_HOST_DEVICE inline TreeError validate_tree_row(const int32_t* parents, int n, int* num_nodes,
-                                                   int* bad_node) {
+                                                  int* bad_node) {
   *num_nodes = 0;
   *bad_node = 0;
   if (n <= 0) return TreeError::kOk;
@@ -72,7 +72,8 @@ SD_HOST_DEVICE inline void fill_tree_row(const int32_t* parents, int n, int num_
 }
 
 // Marks the leaves (valid nodes with no child) of a valid row; returns their count.
-SD_HOST_DEVICE inline int mark_tree_leaves(const int32_t* parents, int num_nodes, uint8_t* is_leaf) {
+SD_HOST_DEVICE inline int mark_tree_leaves(const int32_t* parents, int num_nodes,
+                                           uint8_t* is_leaf) {
   for (int i = 0; i < num_nodes; ++i) is_leaf[i] = 1;
   for (int i = 1; i < num_nodes; ++i) is_leaf[parents[i]] = 0;
   int leaves = 0;

@@ -44,7 +44,9 @@ def as_array(x: Any, name: str, dtype: torch.dtype | None = None) -> Any:
         try:
             return torch.tensor(x, dtype=dtype)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{name}: cannot make a {dtype} array from the given list: {exc}")
+            raise ValueError(
+                f"{name}: cannot make a {dtype} array from the given list: {exc}"
+            ) from None
     return x
 
 

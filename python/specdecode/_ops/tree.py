@@ -106,7 +106,29 @@ def tree_info(parents: Any) -> TreeInfo:
         invalid tree (a parent index >= its child, a second root, padding in the middle, a root
         with a parent); the message names the first invalid batch row and node.
     """
+    if torch.compiler.is_compiling():
+        return TreeInfo(*_tree_info_op(parents))
     return _tree_info(parents, with_mask=True)
+
+
+# The op as torch.compile sees it: a custom op whose fake implementation gives the output shapes,
+# so graphs containing tree_info trace without running the kernel. Eager calls skip this layer.
+@torch.library.custom_op("specdecode::tree_info", mutates_args=())
+def _tree_info_op(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    info = _tree_info(parents, with_mask=True)
+    return info.depth, info.mask, info.num_nodes
+
+
+@_tree_info_op.register_fake
+def _tree_info_fake(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check(parents.dim() == 2, lambda: "parents: expected shape [B, N]")
+    torch._check(parents.dtype == torch.int32, lambda: "parents: expected dtype int32")
+    batch, n = parents.shape
+    return (
+        parents.new_empty((batch, n), dtype=torch.int32),
+        parents.new_empty((batch, n, (n + 31) // 32), dtype=torch.uint32),
+        parents.new_empty((batch,), dtype=torch.int32),
+    )
 
 
 def tree_paths(
@@ -163,9 +185,7 @@ def tree_paths(
     return paths
 
 
-def chain_parents(
-    batch: int, k: int, *, device: torch.device | str | None = None
-) -> torch.Tensor:
+def chain_parents(batch: int, k: int, *, device: torch.device | str | None = None) -> torch.Tensor:
     """The parents of a batch of chains of ``k`` draft tokens.
 
     Parameters

@@ -1,0 +1,1 @@
+"""Benchmarks run against the installed package: `pytest bench --benchmark-only`."""

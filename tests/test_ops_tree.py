@@ -1,0 +1,295 @@
+"""Tree utilities against the pure-PyTorch reference, and every invalid input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import requires_cuda
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_tree import (
+    pack_mask,
+    random_parents,
+    tree_info_reference,
+    tree_paths_reference,
+    unpack_mask,
+)
+
+import specdecode
+from specdecode import ops
+
+
+@st.composite
+def tree_batches(draw, max_batch: int = 5, max_n: int = 70):
+    """Batches of valid trees of one width, with ragged padding, across mask-word boundaries."""
+    batch = draw(st.integers(1, max_batch))
+    n = draw(st.integers(1, max_n))
+    shape = draw(st.sampled_from(["random", "chain", "star", "deep"]))
+    rows = []
+    for _ in range(batch):
+        count = draw(st.integers(1, n))
+        row = [-1]
+        for i in range(1, count):
+            if shape == "chain":
+                row.append(i - 1)
+            elif shape == "star":
+                row.append(0)
+            elif shape == "deep":
+                row.append(max(0, i - draw(st.integers(1, 2))))
+            else:
+                row.append(draw(st.integers(0, i - 1)))
+        rows.append(row + [-1] * (n - count))
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tree_batches())
+def test_tree_info_matches_reference(parents):
+    depth_ref, dense_ref, num_ref = tree_info_reference(parents)
+    info = ops.tree_info(parents)
+    assert info.depth.dtype == torch.int32 and info.num_nodes.dtype == torch.int32
+    assert info.mask.dtype == torch.uint32
+    assert info.mask.shape == (*parents.shape, (parents.shape[1] + 31) // 32)
+    torch.testing.assert_close(info.depth, depth_ref, rtol=0, atol=0)
+    torch.testing.assert_close(info.num_nodes, num_ref, rtol=0, atol=0)
+    assert torch.equal(unpack_mask(info.mask, parents.shape[1]), dense_ref)
+    assert torch.equal(info.mask.to(torch.int64), pack_mask(dense_ref).to(torch.int64))
+
+
+@settings(max_examples=150, deadline=None)
+@given(tree_batches())
+def test_tree_paths_matches_reference(parents):
+    expected = tree_paths_reference(parents)
+    got = ops.tree_paths(parents)
+    assert got.dtype == torch.int32
+    assert torch.equal(got, expected)
+
+
+def test_tree_paths_static_sizes_pad_and_reject_too_small():
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, -1, -1]], dtype=torch.int32)
+    got = ops.tree_paths(parents, max_paths=4, path_len=4)
+    assert got.shape == (2, 4, 4)
+    expected = torch.full((2, 4, 4), -1, dtype=torch.int32)
+    expected[0, 0, :2] = torch.tensor([0, 2])  # leaves in ascending node order: 2, then 3
+    expected[0, 1, :3] = torch.tensor([0, 1, 3])
+    expected[1, 0, :2] = torch.tensor([0, 1])
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="too small for batch row 0"):
+        ops.tree_paths(parents, max_paths=1, path_len=4)
+    with pytest.raises(ValueError, match="too small for batch row 0"):
+        ops.tree_paths(parents, max_paths=2, path_len=2)
+    with pytest.raises(ValueError, match="max_paths"):
+        ops.tree_paths(parents, max_paths=0, path_len=2)
+
+
+def test_known_tree():
+    #        0
+    #      /   \
+    #     1     2
+    #    / \     \
+    #   3   4     5
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, -1]], dtype=torch.int32)
+    info = ops.tree_info(parents)
+    assert info.depth.tolist() == [[0, 1, 1, 2, 2, 2, -1]]
+    assert info.num_nodes.tolist() == [6]
+    assert info.mask[0, :, 0].tolist() == [0b1, 0b11, 0b101, 0b1011, 0b10011, 0b100101, 0]
+    paths = ops.tree_paths(parents)
+    assert paths.tolist() == [[[0, 1, 3], [0, 1, 4], [0, 2, 5]]]
+
+
+def test_single_node_and_max_size_trees():
+    info = ops.tree_info(torch.tensor([[-1]], dtype=torch.int32))
+    assert info.depth.tolist() == [[0]] and info.mask.tolist() == [[[1]]]
+    assert ops.tree_paths(torch.tensor([[-1]], dtype=torch.int32)).tolist() == [[[0]]]
+
+    chain = ops.chain_parents(2, 1023)
+    info = ops.tree_info(chain)
+    assert info.mask.shape == (2, 1024, 32)
+    assert info.depth[0, -1].item() == 1023
+    last_row = unpack_mask(info.mask[:, -1:], 1024)
+    assert bool(last_row.all())
+    paths = ops.tree_paths(chain)
+    assert paths.shape == (2, 1, 1024)
+    assert torch.equal(paths[0, 0], torch.arange(1024, dtype=torch.int32))
+
+
+def test_random_large_batch_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    parents = random_parents(g, batch=64, n=100, pad_max=40)
+    depth_ref, dense_ref, num_ref = tree_info_reference(parents)
+    info = ops.tree_info(parents)
+    assert torch.equal(info.depth, depth_ref)
+    assert torch.equal(info.num_nodes, num_ref)
+    assert torch.equal(unpack_mask(info.mask, 100), dense_ref)
+    assert torch.equal(ops.tree_paths(parents), tree_paths_reference(parents))
+
+
+def test_results_do_not_depend_on_thread_count():
+    g = torch.Generator().manual_seed(1)
+    parents = random_parents(g, batch=300, n=40, pad_max=30)
+    before = specdecode.get_num_threads()
+    try:
+        specdecode.set_num_threads(1)
+        one = ops.tree_info(parents)
+        paths_one = ops.tree_paths(parents)
+        specdecode.set_num_threads(4)
+        assert specdecode.get_num_threads() == 4
+        four = ops.tree_info(parents)
+        paths_four = ops.tree_paths(parents)
+    finally:
+        specdecode.set_num_threads(0)
+    assert specdecode.get_num_threads() == before
+    for a, b in zip(one, four):
+        assert torch.equal(a, b)
+    assert torch.equal(paths_one, paths_four)
+
+
+def test_chain_parents():
+    got = ops.chain_parents(3, 4)
+    assert got.dtype == torch.int32 and got.shape == (3, 5)
+    assert got.tolist() == [[-1, 0, 1, 2, 3]] * 3
+    assert ops.chain_parents(2, 0).tolist() == [[-1], [-1]]
+    assert ops.chain_parents(0, 3).shape == (0, 4)
+    with pytest.raises(ValueError, match="k"):
+        ops.chain_parents(1, 1024)
+    with pytest.raises(ValueError, match="batch"):
+        ops.chain_parents(-1, 2)
+    with pytest.raises(ValueError, match="k"):
+        ops.chain_parents(1, 2.5)
+
+
+# ---- invalid trees ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "row, node, message",
+    [
+        ([0, 0, 1], 0, "root"),
+        ([5, -1, -1], 0, "root"),
+        ([-1, 0, 2, 1], 2, "must come before its child"),  # parent == child: a self-cycle
+        ([-1, 2, 1], 1, "must come before its child"),  # 1 -> 2 -> 1: a cycle
+        ([-1, 0, 3, 2], 2, "must come before its child"),
+        ([-1, 0, -1, 1], 3, "follows padding"),  # padding in the middle
+        ([-1, 0, -1, -1, 0], 4, "follows padding"),  # a second root, then a child
+        ([-1, 0, -2], 2, "parents are node indices"),
+    ],
+)
+def test_invalid_tree_names_row_and_node(row, node, message):
+    good = [-1] + [0] * (len(row) - 1)
+    parents = torch.tensor([good, good, row], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"batch row 2: .*{message}") as err:
+        ops.tree_info(parents)
+    if node:
+        assert f"node {node}" in str(err.value)
+    with pytest.raises(ValueError, match="batch row 2"):
+        ops.tree_paths(parents)
+
+
+def test_invalid_rows_are_counted():
+    parents = torch.tensor([[-1, 1], [-1, 0], [0, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"batch row 0: .*\(1 more invalid rows\)"):
+        ops.tree_info(parents)
+
+
+def test_too_many_nodes():
+    with pytest.raises(ValueError, match="1 to 1024 nodes, got N = 1025"):
+        ops.tree_info(torch.full((1, 1025), -1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="N = 0"):
+        ops.tree_info(torch.zeros((1, 0), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.float32, torch.uint8])
+def test_wrong_dtype(dtype):
+    with pytest.raises(TypeError, match="parents: expected dtype int32, got"):
+        ops.tree_info(torch.tensor([[-1, 0]]).to(dtype))
+
+
+def test_wrong_rank():
+    with pytest.raises(ValueError, match=r"parents: expected shape \[B, N\]"):
+        ops.tree_info(torch.tensor([-1, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"parents: expected shape \[B, N\]"):
+        ops.tree_paths(torch.tensor([[[-1, 0]]], dtype=torch.int32))
+
+
+def test_not_an_array():
+    with pytest.raises(TypeError, match="parents"):
+        ops.tree_info("not an array")
+    with pytest.raises(TypeError, match="parents"):
+        ops.tree_info(object())
+
+
+def test_non_contiguous_input_is_rejected():
+    wide = torch.full((3, 16), -1, dtype=torch.int32)
+    wide[:, 2] = 0
+    strided = wide[:, ::2]
+    with pytest.raises(ValueError, match="parents: must be contiguous"):
+        ops.tree_info(strided)
+    # The contiguous copy of the same data is accepted.
+    assert ops.tree_info(strided.contiguous()).num_nodes.tolist() == [2, 2, 2]
+
+
+# ---- array types -------------------------------------------------------------------------------
+
+
+def test_numpy_input_zero_copy_and_lists():
+    parents_np = np.array([[-1, 0, 1, 1], [-1, 0, -1, -1]], dtype=np.int32)
+    from_np = ops.tree_info(parents_np)
+    from_torch = ops.tree_info(torch.from_numpy(parents_np))
+    from_list = ops.tree_info(parents_np.tolist())
+    for a, b, c in zip(from_np, from_torch, from_list):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    expected_paths = [[[0, 1, 2], [0, 1, 3]], [[0, 1, -1], [-1, -1, -1]]]
+    assert ops.tree_paths(parents_np).tolist() == expected_paths
+    with pytest.raises(TypeError, match="int32"):
+        ops.tree_info(parents_np.astype(np.int64))
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.tree_info(np.asfortranarray(np.array([[-1, 0], [-1, 0], [-1, 0]], dtype=np.int32)))
+
+
+def test_requires_grad_and_views_are_fine():
+    base = torch.full((4, 9), -1, dtype=torch.int32)
+    base[:, 1] = 0
+    view = base[1:3]  # a contiguous view with a storage offset
+    info = ops.tree_info(view)
+    assert info.num_nodes.tolist() == [2, 2]
+
+
+def test_torch_compile_traces_tree_info():
+    def depth_plus_one(parents):
+        return ops.tree_info(parents).depth + 1
+
+    compiled = torch.compile(depth_plus_one, backend="aot_eager", fullgraph=True)
+    parents = ops.chain_parents(2, 5)
+    assert torch.equal(compiled(parents), ops.tree_info(parents).depth + 1)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------
+
+
+@requires_cuda
+def test_cuda_matches_cpu_exactly():
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 5, 32, 33, 100, 1024):
+        parents = random_parents(g, batch=37, n=n, pad_max=n // 2)
+        cpu = ops.tree_info(parents)
+        gpu = ops.tree_info(parents.cuda())
+        for a, b in zip(cpu, gpu):
+            assert b.device.type == "cuda"
+            assert torch.equal(a, b.cpu())
+        assert torch.equal(ops.tree_paths(parents), ops.tree_paths(parents.cuda()).cpu())
+    bad = torch.tensor([[-1, 0], [-1, 1]], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="batch row 1"):
+        ops.tree_info(bad)
+
+
+def test_cuda_array_without_cuda_build_is_a_clear_error():
+    if specdecode.info()["cuda"]["compiled"]:
+        pytest.skip("this build has CUDA; the error under test is the one of CPU-only builds")
+    from dlpack_capsule import capsule_claiming_device
+
+    from specdecode import _C
+
+    parents = np.array([[-1, 0]], dtype=np.int32)
+    with pytest.raises(ValueError, match=r"parents: is on cuda:0, but this build .* no CUDA"):
+        _C.tree_info(capsule_claiming_device(parents, device_type=2), None, None, None, None, 0)
