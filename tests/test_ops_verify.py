@@ -21,6 +21,7 @@ import specdecode
 from specdecode import _C, ops
 
 sys.path.insert(0, os.path.dirname(__file__))
+from conftest import requires_cuda  # noqa: E402
 from reference_verify import outcome_distribution, processed_probs  # noqa: E402
 
 NUM_STAT_TESTS = 30
@@ -728,11 +729,9 @@ def test_custom_op_opcheck():
 
 # ---- CUDA --------------------------------------------------------------------------------------
 
-_HAS_CUDA = torch.cuda.is_available() and "cuda" in specdecode.info()["backends"]
-
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA device and a CUDA build of specdecode")
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_cpu_token_for_token(dtype):
     gen = torch.Generator().manual_seed(110)

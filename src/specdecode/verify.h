@@ -95,12 +95,8 @@ SD_HD_INLINE float fdiv(float a, float b) {
 constexpr float kInf = __builtin_huge_valf();
 constexpr float kFloatMax = 3.402823466e38f;
 
-SD_HD_INLINE bool is_nan(float x) {
-  return x != x;
-}
-SD_HD_INLINE bool is_finite(float x) {
-  return x >= -kFloatMax && x <= kFloatMax;
-}
+SD_HD_INLINE bool is_nan(float x) { return x != x; }
+SD_HD_INLINE bool is_finite(float x) { return x >= -kFloatMax && x <= kFloatMax; }
 
 // exp(x) for the softmax, about 2 ulp. Results below 2^-126 (x < -87) flush to 0: such tokens
 // are at least e^-87 times less likely than the most likely one and count as probability 0.
@@ -162,15 +158,9 @@ struct BFloat16 {
   uint16_t bits;
 };
 
-SD_HD_INLINE float load_elem(const float* p, int64_t i) {
-  return p[i];
-}
-SD_HD_INLINE float load_elem(const Half* p, int64_t i) {
-  return half_to_float(p[i].bits);
-}
-SD_HD_INLINE float load_elem(const BFloat16* p, int64_t i) {
-  return bf16_to_float(p[i].bits);
-}
+SD_HD_INLINE float load_elem(const float* p, int64_t i) { return p[i]; }
+SD_HD_INLINE float load_elem(const Half* p, int64_t i) { return half_to_float(p[i].bits); }
+SD_HD_INLINE float load_elem(const BFloat16* p, int64_t i) { return bf16_to_float(p[i].bits); }
 
 // A target row type of element E that holds probabilities instead of logits. Making this a type
 // (not a runtime flag) keeps the exp out of the probability path's loops.
@@ -192,9 +182,7 @@ struct IsProb<Prob<E>> {
 };
 
 // ---- canonical sums and inverse-CDF sampling ---------------------------------------------------
-SD_HD_INLINE int num_chunks(int64_t n) {
-  return static_cast<int>((n + kChunk - 1) / kChunk);
-}
+SD_HD_INLINE int num_chunks(int64_t n) { return static_cast<int>((n + kChunk - 1) / kChunk); }
 
 template <class F>
 SD_HD_INLINE float chunk_sum(const F& f, int64_t begin, int64_t end) {
@@ -417,9 +405,7 @@ SD_HD_INLINE void level_pq(const SiblingLevels& lv, float w, float q, int64_t y,
   *q_out = removed ? 0.f : fmul(q, lv.q_scale[lv.levels]);
 }
 
-SD_HD_INLINE bool bad_prob(float q) {
-  return !(q >= 0.f && q <= kFloatMax);
-}
+SD_HD_INLINE bool bad_prob(float q) { return !(q >= 0.f && q <= kFloatMax); }
 
 // max(p_L - q_L, 0) of token y; NaN when q(y) is not a probability, which poisons the sum.
 template <class T, class Q>
