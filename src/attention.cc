@@ -461,56 +461,89 @@ inline uint64_t block_visibility(const uint32_t* mask_row, int query, int j0, in
 }
 
 struct Shape {
-  int64_t t, g, d, rows, words;
+  int64_t t;       // tree nodes T
+  int64_t g;       // query heads per KV head
+  int64_t d;       // head dim
+  int64_t rows;    // query rows per KV head, T * g
+  int64_t words;   // mask words per row
+  int64_t heads;   // KV heads per work item
+  int64_t splits;  // prefix splits per (sequence, head group)
+  int64_t split_keys;
 };
 
-// Streams keys [begin, end) of cache rows starting at `k`/`v` (the (b, 0, kvh) element) through
-// the online softmax of every query row. tree: keys are tree nodes begin.. and use the mask.
+// Row rr of a work item (heads kvh0 ..) is query head h of tree node t.
+struct RowIndex {
+  int64_t t, h;
+};
+inline RowIndex row_index(const Shape& sh, int64_t kvh0, int64_t rr) {
+  const int64_t head = rr / sh.rows, r = rr % sh.rows;
+  return {r / sh.g, (kvh0 + head) * sh.g + r % sh.g};
+}
+
+// Streams keys [begin, end) of the item's KV heads through the online softmax of every query
+// row. k/v point at element (b, 0, kvh0). tree: keys are tree nodes begin.. and use the mask.
 template <class K, AttnDType DT>
 void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
                   const typename Elem<DT>::T* v, int64_t begin, int64_t end, bool tree,
                   const uint32_t* mask_b, Workspace& ws, float* o, SoftmaxState* st) {
   const int d = static_cast<int>(sh.d);
   const int rows = static_cast<int>(sh.rows);
-  const int64_t rs = a.kv_strides[1];
-  std::fill(o, o + sh.rows * sh.d, 0.0f);
-  for (int r = 0; r < rows; ++r) st[r] = softmax_init();
+  const int64_t rs = a.kv_strides[1], hs = a.kv_strides[2];
+  std::fill(o, o + sh.heads * sh.rows * sh.d, 0.0f);
+  for (int64_t r = 0; r < sh.heads * sh.rows; ++r) st[r] = softmax_init();
+  const int64_t row_bytes = sh.d * static_cast<int64_t>(sizeof(*k));
   for (int64_t j0 = begin; j0 < end; j0 += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, end - j0));
-    K::template load_kt<DT>(k + j0 * rs, rs, n, d, ws.kt);
-    K::template load_rows<DT>(v + j0 * rs, rs, n, d, 1.0f, ws.vb);
-    for (int r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int rb = std::min(kRowTile, rows - r0);
-      K::scores(ws.q + r0 * sh.d, rb, d, ws.kt, ws.s);
-      for (int i = 0; i < rb; ++i) {
-        const int t = (r0 + i) / static_cast<int>(sh.g);
-        const uint32_t* mrow = mask_b ? mask_b + t * sh.words : nullptr;
-        const uint64_t vis = block_visibility(mrow, t, static_cast<int>(j0 - begin), n, tree);
-        ws.alpha[i] = K::softmax_row(ws.s + i * kBlock, vis, &st[r0 + i]);
+    // Ask for the next block early so its lines are in flight while this one computes.
+    const int64_t next_n = std::min<int64_t>(kBlock, end - j0 - n);
+    for (int64_t j = 0; j < next_n; ++j) {
+      for (int64_t head = 0; head < sh.heads; ++head) {
+        const char* kr = reinterpret_cast<const char*>(k + (j0 + n + j) * rs + head * hs);
+        const char* vr = reinterpret_cast<const char*>(v + (j0 + n + j) * rs + head * hs);
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          __builtin_prefetch(kr + off);
+          __builtin_prefetch(vr + off);
+        }
       }
-      K::pv(ws.s, rb, n, ws.vb, d, ws.alpha, o + r0 * sh.d);
+    }
+    for (int64_t head = 0; head < sh.heads; ++head) {
+      K::template load_kt<DT>(k + j0 * rs + head * hs, rs, n, d, ws.kt);
+      K::template load_rows<DT>(v + j0 * rs + head * hs, rs, n, d, 1.0f, ws.vb);
+      const int64_t base = head * sh.rows;
+      for (int r0 = 0; r0 < rows; r0 += kRowTile) {
+        const int rb = std::min(kRowTile, rows - r0);
+        K::scores(ws.q + (base + r0) * sh.d, rb, d, ws.kt, ws.s);
+        for (int i = 0; i < rb; ++i) {
+          const int t = (r0 + i) / static_cast<int>(sh.g);
+          const uint32_t* mrow = mask_b ? mask_b + t * sh.words : nullptr;
+          const uint64_t vis = block_visibility(mrow, t, static_cast<int>(j0 - begin), n, tree);
+          ws.alpha[i] = K::softmax_row(ws.s + i * kBlock, vis, &st[base + r0 + i]);
+        }
+        K::pv(ws.s, rb, n, ws.vb, d, ws.alpha, o + (base + r0) * sh.d);
+      }
     }
   }
 }
 
-// One work item: KV head kvh of sequence b over prefix keys [begin, end), plus the tree part when
-// with_tree. Writes each row's finished (o, lse2) through `emit`.
+// One work item: KV heads kvh0 .. kvh0 + sh.heads of sequence b over prefix keys [begin, end),
+// plus the tree part when with_tree. Hands each row's finished (o, lse2) to `emit`.
 template <class K, AttnDType DT, class Emit>
-void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh, int64_t begin,
+void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, int64_t begin,
               int64_t end, bool with_tree, Emit&& emit) {
   using T = typename Elem<DT>::T;
   Workspace& ws = thread_workspace();
-  ws.reserve(sh.rows, sh.d);
+  const int64_t rows = sh.heads * sh.rows;
+  ws.reserve(rows, sh.d);
   const int d = static_cast<int>(sh.d);
   const T* q = static_cast<const T*>(a.q);
   const float mult = a.scale * kLog2e;
-  for (int64_t r = 0; r < sh.rows; ++r) {
-    const int64_t t = r / sh.g, h = kvh * sh.g + r % sh.g;
-    const T* src = q + b * a.q_strides[0] + t * a.q_strides[1] + h * a.q_strides[2];
-    K::template load_rows<DT>(src, 0, 1, d, mult, ws.q + r * sh.d);
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    const RowIndex ri = row_index(sh, kvh0, rr);
+    const T* src = q + b * a.q_strides[0] + ri.t * a.q_strides[1] + ri.h * a.q_strides[2];
+    K::template load_rows<DT>(src, 0, 1, d, mult, ws.q + rr * sh.d);
   }
-  const T* k = static_cast<const T*>(a.k) + b * a.kv_strides[0] + kvh * a.kv_strides[2];
-  const T* v = static_cast<const T*>(a.v) + b * a.kv_strides[0] + kvh * a.kv_strides[2];
+  const T* k = static_cast<const T*>(a.k) + b * a.kv_strides[0] + kvh0 * a.kv_strides[2];
+  const T* v = static_cast<const T*>(a.v) + b * a.kv_strides[0] + kvh0 * a.kv_strides[2];
   attend_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   if (with_tree) {
     const int64_t prefix = a.prefix_lens[b];
@@ -519,41 +552,57 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh, i
     attend_range<K, DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws,
                         ws.o_tree, ws.st_tree);
   }
-  for (int64_t r = 0; r < sh.rows; ++r) {
+  for (int64_t rr = 0; rr < rows; ++rr) {
     float inv_p, inv_t = 0.0f;
-    const float lse_p = softmax_finish(ws.st_prefix[r], &inv_p);
-    const float lse_t = with_tree ? softmax_finish(ws.st_tree[r], &inv_t) : -INFINITY;
+    const float lse_p = softmax_finish(ws.st_prefix[rr], &inv_p);
+    const float lse_t = with_tree ? softmax_finish(ws.st_tree[rr], &inv_t) : -INFINITY;
     float wp, wt;
     const float lse = lse_merge_weights(lse_p, lse_t, &wp, &wt);
     wp *= inv_p;
     wt *= inv_t;
-    float* op = ws.o_prefix + r * sh.d;
-    const float* ot = ws.o_tree + r * sh.d;
+    float* op = ws.o_prefix + rr * sh.d;
+    const float* ot = ws.o_tree + rr * sh.d;
     // wt == 0 whenever the tree part is absent or empty, so o_tree is never read uninitialised.
     for (int i = 0; i < d; ++i) op[i] = wp * op[i] + (wt != 0.0f ? wt * ot[i] : 0.0f);
-    emit(r, op, lse);
+    emit(rr, op, lse);
   }
 }
 
 template <AttnDType DT>
-void write_row(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t t, int64_t h,
-               const float* o, float lse2) {
+void write_row(const AttentionArgs& a, const Shape& sh, int64_t b, RowIndex ri, const float* o,
+               float lse2) {
   using T = typename Elem<DT>::T;
-  const int64_t row = (b * sh.t + t) * a.q_heads + h;
+  const int64_t row = (b * sh.t + ri.t) * a.q_heads + ri.h;
   T* dst = static_cast<T*>(a.out) + row * sh.d;
   for (int64_t i = 0; i < sh.d; ++i) dst[i] = Elem<DT>::store(o[i]);
   if (a.lse) a.lse[row] = lse2 * kLn2;
 }
 
-template <class K, AttnDType DT>
-void run(const AttentionArgs& a) {
+// Work decomposition, a function of the shapes only (never of the thread count, so results do
+// not depend on it). Few query rows per KV head (decoding, short chains) are memory bound: one
+// item then takes every KV head of a sequence, so it streams whole cache rows [Hkv, D] of
+// consecutive positions (each KV head alone would touch a new 4 KiB page per position), and the
+// prefix is split finely for parallelism. Many rows are compute bound: one KV head per item and
+// long splits, which keep the merge scratch small.
+Shape make_shape(const AttentionArgs& a) {
   Shape sh;
   sh.t = a.tree_len;
   sh.g = a.q_heads / a.kv_heads;
   sh.d = a.head_dim;
   sh.rows = sh.t * sh.g;
   sh.words = mask_words(static_cast<int>(sh.t));
-  const int64_t batch = a.batch, hkv = a.kv_heads;
+  const bool grouped = sh.rows * a.kv_heads <= 128;
+  sh.heads = grouped ? a.kv_heads : 1;
+  sh.split_keys = grouped ? 512 : 2048;
+  sh.splits = 1;
+  return sh;
+}
+
+template <class K, AttnDType DT>
+void run(const AttentionArgs& a) {
+  Shape sh = make_shape(a);
+  const int64_t batch = a.batch;
+  const int64_t groups = a.kv_heads / sh.heads;
 
   int64_t max_prefix = 0;
   for (int64_t b = 0; b < batch; ++b) {
@@ -564,42 +613,46 @@ void run(const AttentionArgs& a) {
   }
   // Every sequence uses the same number of splits so work items index simply; a sequence with a
   // shorter prefix gets empty leading splits, which merge as the identity.
-  const int64_t splits = std::max<int64_t>(1, (max_prefix + kSplitKeys - 1) / kSplitKeys);
-  const int64_t items = batch * hkv * splits;
+  const int64_t splits = std::max<int64_t>(1, (max_prefix + sh.split_keys - 1) / sh.split_keys);
+  sh.splits = splits;
+  const int64_t items = batch * groups * splits;
+  const int64_t item_rows = sh.heads * sh.rows;
+  const int64_t part_stride = item_rows * (sh.d + 1);
 
   std::vector<float> scratch;
-  if (splits > 1) scratch.resize(static_cast<size_t>(items * sh.rows * (sh.d + 1)));
+  if (splits > 1) scratch.resize(static_cast<size_t>(items * part_stride));
 
-  // Items of one (b, kvh) differ in length only at the last split; interleaving keeps chunks even.
   parallel_for(items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item % splits, bh = item / splits;
-      const int64_t b = bh / hkv, kvh = bh % hkv;
+      const int64_t s = item % splits, bg = item / splits;
+      const int64_t b = bg / groups, kvh0 = (bg % groups) * sh.heads;
       if (a.status[b] != 0) {
         if (s == splits - 1) {
           std::vector<float> zero(sh.d, 0.0f);
-          for (int64_t r = 0; r < sh.rows; ++r) {
-            write_row<DT>(a, sh, b, r / sh.g, kvh * sh.g + r % sh.g, zero.data(), -INFINITY);
+          for (int64_t rr = 0; rr < item_rows; ++rr) {
+            write_row<DT>(a, sh, b, row_index(sh, kvh0, rr), zero.data(), -INFINITY);
           }
         }
         continue;
       }
       const int64_t prefix = a.prefix_lens[b];
-      // Splits cover [s * kSplitKeys, ...) from the end of the prefix backwards, so the last split
-      // (which also takes the tree) holds the most recent keys.
-      const int64_t first = prefix - (splits - s) * kSplitKeys;
-      const int64_t kb = std::max<int64_t>(0, first), ke = std::max<int64_t>(0, first + kSplitKeys);
+      // Splits are counted back from the end of the prefix, so the last split, which also takes
+      // the tree, holds the most recent keys; leading splits of shorter prefixes are empty.
+      const int64_t first = prefix - (splits - s) * sh.split_keys;
+      const int64_t kb = std::max<int64_t>(0, first);
+      const int64_t ke = std::max<int64_t>(0, first + sh.split_keys);
       const bool last = s == splits - 1;
       if (splits == 1) {
-        run_item<K, DT>(a, sh, b, kvh, 0, prefix, true, [&](int64_t r, const float* o, float lse) {
-          write_row<DT>(a, sh, b, r / sh.g, kvh * sh.g + r % sh.g, o, lse);
-        });
+        run_item<K, DT>(a, sh, b, kvh0, 0, prefix, true,
+                        [&](int64_t rr, const float* o, float lse) {
+                          write_row<DT>(a, sh, b, row_index(sh, kvh0, rr), o, lse);
+                        });
       } else {
-        float* part = scratch.data() + item * sh.rows * (sh.d + 1);
-        run_item<K, DT>(a, sh, b, kvh, kb, std::min(ke, prefix), last,
-                        [&](int64_t r, const float* o, float lse) {
-                          std::memcpy(part + r * (sh.d + 1), o, sh.d * sizeof(float));
-                          part[r * (sh.d + 1) + sh.d] = lse;
+        float* part = scratch.data() + item * part_stride;
+        run_item<K, DT>(a, sh, b, kvh0, kb, std::min(ke, prefix), last,
+                        [&](int64_t rr, const float* o, float lse) {
+                          std::memcpy(part + rr * (sh.d + 1), o, sh.d * sizeof(float));
+                          part[rr * (sh.d + 1) + sh.d] = lse;
                         });
       }
     }
@@ -607,22 +660,22 @@ void run(const AttentionArgs& a) {
   if (splits == 1) return;
 
   // Merge the splits of every row in split order (deterministic).
-  parallel_for(batch * hkv, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(batch * groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(sh.d);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / hkv, kvh = bh % hkv;
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / groups, kvh0 = (bg % groups) * sh.heads;
       if (a.status[b] != 0) continue;
-      for (int64_t r = 0; r < sh.rows; ++r) {
+      for (int64_t rr = 0; rr < item_rows; ++rr) {
         float lse = -INFINITY;
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t s = 0; s < splits; ++s) {
-          const float* part = scratch.data() + ((bh * splits + s) * sh.rows + r) * (sh.d + 1);
+          const float* part = scratch.data() + (bg * splits + s) * part_stride + rr * (sh.d + 1);
           float wa, wb;
           lse = lse_merge_weights(lse, part[sh.d], &wa, &wb);
           if (wb == 0.0f) continue;
           for (int64_t i = 0; i < sh.d; ++i) acc[i] = wa * acc[i] + wb * part[i];
         }
-        write_row<DT>(a, sh, b, r / sh.g, kvh * sh.g + r % sh.g, acc.data(), lse);
+        write_row<DT>(a, sh, b, row_index(sh, kvh0, rr), acc.data(), lse);
       }
     }
   });
