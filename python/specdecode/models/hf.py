@@ -150,7 +150,8 @@ class HFCache:
         if bool(steps.any()):
             raise ValueError("path: accepted nodes must be strictly increasing (root first)")
         keep = torch.zeros(batch, t, dtype=torch.bool)
-        keep.scatter_(1, nodes, used)
+        rows = torch.arange(batch).unsqueeze(1).expand(batch, width)
+        keep[rows[used], path[used]] = True
         self._valid[:, start_slot : start_slot + t] = keep.to(self._device)
         self._set_lengths(start + counts)
         self._tree = None
