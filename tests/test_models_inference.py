@@ -228,13 +228,17 @@ def test_hidden_states(family):
     seq = _tokens(8, seed=70)
     cache = model.new_cache(1, 16)
     logits, hidden = model.forward(
-        torch.tensor([seq]), torch.arange(8).unsqueeze(0), cache, output_hidden=[1, 0, -2]
+        torch.tensor([seq]), torch.arange(8).unsqueeze(0), cache, output_hidden=[1, 0, -2, 2, -1]
     )
     with torch.no_grad():
         ref = theirs(torch.tensor([seq]), output_hidden_states=True).hidden_states
-    assert len(hidden) == 3
-    for got, index in zip(hidden, [1, 0, 1]):
+    assert len(hidden) == 5
+    for got, index in zip(hidden, [1, 0, 1, 2, 2]):
         torch.testing.assert_close(got, ref[index], **TOL)
+    # The last one is what lm_head reads.
+    head = model.model.lm_head if isinstance(model, HFCausalLM) else model.lm_head
+    with torch.no_grad():
+        torch.testing.assert_close(head(hidden[-1]), logits, **TOL)
     with pytest.raises(ValueError, match="output_hidden"):
         model.forward(torch.tensor([[1]]), torch.tensor([[8]]), cache, output_hidden=[3])
 

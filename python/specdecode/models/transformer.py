@@ -239,11 +239,16 @@ class Transformer(nn.Module):
         hidden: dict[int, torch.Tensor] = {}
         if 0 in wanted:
             hidden[0] = x
+        last = len(self.model.layers)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, attend, i)
-            if i + 1 in wanted:
+            if i + 1 in wanted and i + 1 < last:
                 hidden[i + 1] = x
-        logits = self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        # As in transformers, the last hidden state is the final norm's output (what lm_head reads).
+        if last in wanted:
+            hidden[last] = x
+        logits = self.lm_head(x)
         return logits, [hidden[i] for i in hidden_indices]
 
     # ---- training path -----------------------------------------------------------------------
@@ -370,8 +375,9 @@ class Transformer(nn.Module):
             attends to the whole cached prefix and to the new tokens whose bit is set in row
             ``i``. None: a causal chain (token ``i`` sees new tokens ``0..i``).
         output_hidden : sequence of int, optional
-            Hidden states to return (0 = embeddings, ``i`` = output of layer ``i``; negative
-            indices count from ``L + 1``).
+            Hidden states to return, indexed as transformers' ``hidden_states``: 0 = embeddings,
+            ``i`` = output of layer ``i``, ``L`` = the final norm's output (what ``lm_head``
+            reads); negative indices count from ``L + 1``.
 
         Returns
         -------
