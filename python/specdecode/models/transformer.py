@@ -411,6 +411,8 @@ class Transformer(nn.Module):
             tree_mask = tree_mask.contiguous()
         wanted = check_hidden_indices(output_hidden, self.config.num_hidden_layers)
         slots = cache._begin(t)
+        if tree_mask is None and t > ops.MAX_TREE_NODES:
+            return self._forward_chunked(input_ids, positions, cache, output_hidden)
         prefix = cache.lengths
         rows = torch.arange(batch, device=self.device).unsqueeze(1)
         groups = self.config.num_groups
@@ -435,6 +437,40 @@ class Transformer(nn.Module):
         if output_hidden is None:
             return logits
         return logits, tuple(hidden)
+
+    def _forward_chunked(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        output_hidden: Optional[Sequence[int]],
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+        """A causal chain longer than tree_attention's 1024 query rows, in consecutive chunks.
+
+        Each chunk attends to the cache (which already holds the earlier chunks) plus itself
+        causally, which is exactly the attention of the whole chain. Validation was done on the
+        whole input, so no chunk can fail after an earlier one was committed.
+        """
+        start = cache.lengths.clone()
+        step = ops.MAX_TREE_NODES
+        parts = []
+        for i in range(0, input_ids.shape[1], step):
+            parts.append(
+                self.forward(
+                    input_ids[:, i : i + step],
+                    positions[:, i : i + step],
+                    cache,
+                    output_hidden=output_hidden,
+                )
+            )
+        # The whole chain is the block that compact() refers to, not just its last chunk.
+        cache._tree_start = start
+        cache._tree_size = input_ids.shape[1]
+        if output_hidden is None:
+            return torch.cat(parts, dim=1)
+        logits = torch.cat([p[0] for p in parts], dim=1)
+        hidden = tuple(torch.cat(h, dim=1) for h in zip(*(p[1] for p in parts)))
+        return logits, hidden
 
     @staticmethod
     def _dense_mask(
