@@ -8,8 +8,9 @@ hidden 512, 8 query / 2 KV heads of dim 64, vocab 8192, float32, CPU), over a ca
 * ``hf``: transformers' ``LlamaForCausalLM`` through :class:`specdecode.models.HFCausalLM`
   (DynamicCache, 4-D additive mask, explicit position ids): the baseline.
 
-Each round scores the T new tokens and rolls the cache back to the prefix (truncate), which is
-what a rejected verification costs. Logits of the three are checked equal first.
+Both libraries run single-threaded (see the fixture). Each round scores the T new tokens and
+rolls the cache back to the prefix (truncate), which is what a rejected verification costs.
+Logits of the three are checked equal first.
 
     flock /tmp/specdecode-bench.lock pytest bench/test_bench_models.py --benchmark-only \
         --benchmark-json=models.json && python bench/report.py models.json --baseline hf
@@ -21,6 +22,7 @@ import pytest
 import torch
 from specdecode.models import HFCausalLM, ModelConfig, Transformer
 
+import specdecode
 from specdecode import ops
 
 transformers = pytest.importorskip("transformers")
@@ -40,6 +42,18 @@ CASES = [(b, s, t) for b in (1, 4) for s in (512, 2048) for t in (1, 16, 64)]
 
 @pytest.fixture(scope="module")
 def models():
+    # One thread for torch and for specdecode: on a small, shared machine two OpenMP threads
+    # spin at every matmul barrier while the other is descheduled, which made timings swing by
+    # 10-40x between runs; one thread measures the work instead of the scheduler.
+    torch_threads, sd_threads = torch.get_num_threads(), specdecode.get_num_threads()
+    torch.set_num_threads(1)
+    specdecode.set_num_threads(1)
+    yield _build()
+    torch.set_num_threads(torch_threads)
+    specdecode.set_num_threads(sd_threads)
+
+
+def _build():
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).eval()
     hf.config._attn_implementation = "sdpa"

@@ -524,7 +524,9 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_state_dict(state, directory)
-        self.config.to_json_file(directory / CONFIG_NAME, torch_dtype=dtype_name(self.dtype))
+        # transformers 4 reads torch_dtype, transformers 5 dtype.
+        name = dtype_name(self.dtype)
+        self.config.to_json_file(directory / CONFIG_NAME, torch_dtype=name, dtype=name)
 
     @classmethod
     def from_pretrained(
