@@ -13,6 +13,7 @@ Conventions shared by every op:
 
 from __future__ import annotations
 
+from ._ops.ngram import DraftTree, NGramCache
 from ._ops.tree import MAX_TREE_NODES, TreeInfo, chain_parents, tree_info, tree_paths
 
 PAD_TOKEN: int = -1
@@ -20,6 +21,8 @@ PAD_TOKEN: int = -1
 
 __all__ = [
     "MAX_TREE_NODES",
+    "DraftTree",
+    "NGramCache",
     "PAD_TOKEN",
     "TreeInfo",
     "chain_parents",
