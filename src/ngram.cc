@@ -51,7 +51,7 @@ void validate_ngram_config(const NGramConfig& c) {
   int64_t bytes = 0;
   for (const auto& [l, f] : c.tables) {
     const TableShape s = TableShape::make(l, f, c.max_leaders, c.max_followers);
-    bytes += states * (s.words * 4 + s.stamps * 8);
+    bytes += states * s.words * 4;
   }
   // A guard against a typo allocating the machine away, not a tuning knob.
   if (bytes > (int64_t{1} << 36)) {
@@ -72,7 +72,6 @@ NGramCache::NGramCache(const NGramConfig& config) : config_(config) {
   tail_cap_ = max_window - 1;
   for (const TableShape& s : shapes_) {
     words_.emplace_back(static_cast<size_t>(s.words * states), 0);
-    stamps_.emplace_back(static_cast<size_t>(s.stamps * states), 0);
   }
   clocks_.assign(states, 0);
   tails_.assign(static_cast<size_t>(config_.max_sequences) * tail_cap_, kPad);
@@ -83,7 +82,6 @@ NGramCache::NGramCache(const NGramConfig& config) : config_(config) {
 int64_t NGramCache::nbytes() const {
   int64_t total = 0;
   for (const auto& w : words_) total += static_cast<int64_t>(w.size() * sizeof(int32_t));
-  for (const auto& s : stamps_) total += static_cast<int64_t>(s.size() * sizeof(int64_t));
   total += static_cast<int64_t>(clocks_.size() * sizeof(int64_t));
   total += static_cast<int64_t>((tails_.size() + tail_lens_.size()) * sizeof(int32_t));
   return total;
@@ -94,8 +92,7 @@ int64_t NGramCache::nbytes() const {
 Table NGramCache::table(int state, int t) const {
   const TableShape& s = shapes_[t];
   auto* words = const_cast<int32_t*>(words_[t].data()) + s.words * state;
-  auto* stamps = const_cast<int64_t*>(stamps_[t].data()) + s.stamps * state;
-  return Table(&s, words, stamps);
+  return Table(&s, words);
 }
 
 std::vector<int32_t> NGramCache::tail(int slot) const {
@@ -155,20 +152,56 @@ void NGramCache::update_one(int slot, const int32_t* tokens, int64_t n) {
   tail_lens_[slot] = keep;
 }
 
+// The leader of table k's first window in slot's next update (the one ending at the first new
+// token), if the stream is long enough; used only for prefetching.
+bool NGramCache::first_leader(int slot, const int32_t* tokens, int64_t n, int k,
+                              int32_t* leader) const {
+  const TableShape& s = shapes_[k];
+  const int64_t t = tail_lens_[slot];
+  const int w = s.leader_len + s.follower_len;
+  if (n <= 0 || t + 1 < w) return false;
+  const int32_t* tail = tails_.data() + static_cast<int64_t>(slot) * tail_cap_;
+  for (int j = 0; j < s.leader_len; ++j) {
+    const int64_t i = t + 1 - w + j;
+    leader[j] = i < t ? tail[i] : tokens[i - t];
+  }
+  return true;
+}
+
 void NGramCache::update(const int32_t* slots, int64_t batch, const int32_t* tokens,
                         const int32_t* offsets) {
-  auto one = [&](int64_t b) {
-    update_one(slots[b], tokens + offsets[b], static_cast<int64_t>(offsets[b + 1]) - offsets[b]);
+  // Rows hit unrelated tables, so once a batch's tables outgrow the caches each insert waits on
+  // memory; prefetching the buckets two rows ahead and the records one row ahead hides part of it.
+  auto prefetch = [&](int64_t b, bool record) {
+    int32_t leader[ngram::kMaxLeaderLen];
+    const int slot = slots[b];
+    const int state = config_.shared ? 0 : slot;
+    for (int k = 0; k < num_tables(); ++k) {
+      if (!first_leader(slot, tokens + offsets[b], offsets[b + 1] - offsets[b], k, leader))
+        continue;
+      const Table tab = table(state, k);
+      if (record)
+        tab.prefetch_record(leader);
+      else
+        tab.prefetch_bucket(leader);
+    }
+  };
+  auto rows = [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (b + 2 < end) prefetch(b + 2, false);
+      if (b + 1 < end) prefetch(b + 1, true);
+      update_one(slots[b], tokens + offsets[b], static_cast<int64_t>(offsets[b + 1]) - offsets[b]);
+    }
   };
   if (config_.shared) {
     std::lock_guard<std::mutex> lock(shared_mu_);
-    for (int64_t b = 0; b < batch; ++b) one(b);
+    for (int64_t b = 0; b < batch; ++b) {
+      update_one(slots[b], tokens + offsets[b], static_cast<int64_t>(offsets[b + 1]) - offsets[b]);
+    }
     return;
   }
   // A row costs a few hundred nanoseconds; chunks of 16 amortise the hand-off.
-  parallel_for(batch, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) one(b);
-  });
+  parallel_for(batch, 16, rows);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -314,9 +347,28 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
                        int64_t ctx_stride, const int32_t* context_lens, int max_nodes,
                        int max_depth, bool chain, int32_t* out_tokens, int32_t* out_parents,
                        int32_t* out_num_nodes) {
+  // The root's leaders are the contexts' last tokens, known for every row up front.
+  auto prefetch = [&](int64_t b, bool record) {
+    if (max_depth < 1 || max_nodes < 2) return;
+    const int state = config_.shared ? 0 : slots[b];
+    const int32_t* ctx = contexts + b * ctx_stride;
+    for (int k = 0; k < num_tables(); ++k) {
+      const int l = shapes_[k].leader_len;
+      if (context_lens[b] < l) continue;
+      const Table tab = table(state, k);
+      if (record)
+        tab.prefetch_record(ctx + context_lens[b] - l);
+      else
+        tab.prefetch_bucket(ctx + context_lens[b] - l);
+    }
+  };
   auto run = [&](int64_t begin, int64_t end) {
     Scratch scratch(max_nodes);
     for (int64_t b = begin; b < end; ++b) {
+      if (!config_.shared) {
+        if (b + 2 < end) prefetch(b + 2, false);
+        if (b + 1 < end) prefetch(b + 1, true);
+      }
       draft_one(slots[b], contexts + b * ctx_stride, context_lens[b], max_nodes, max_depth, chain,
                 scratch, out_tokens + b * max_nodes, out_parents + b * max_nodes,
                 out_num_nodes + b);

@@ -95,6 +95,7 @@ class NGramCache {
   struct Scratch;
 
   void update_one(int slot, const int32_t* tokens, int64_t n);
+  bool first_leader(int slot, const int32_t* tokens, int64_t n, int k, int32_t* leader) const;
   void draft_one(int slot, const int32_t* context, int context_len, int max_nodes, int max_depth,
                  bool chain, Scratch& scratch, int32_t* out_tokens, int32_t* out_parents,
                  int32_t* out_num_nodes);
@@ -107,7 +108,6 @@ class NGramCache {
   NGramConfig config_;
   std::vector<ngram::TableShape> shapes_;
   std::vector<std::vector<int32_t>> words_;  // per table: num_states * words
-  std::vector<std::vector<int64_t>> stamps_;
   std::vector<int64_t> clocks_;  // per state: window ends seen, the stamp of the next insert - 1
   std::vector<int32_t> tails_;   // per slot: tail_cap_ tokens
   std::vector<int32_t> tail_lens_;
