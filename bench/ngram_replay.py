@@ -187,11 +187,11 @@ def run_cacheback(seqs, ctx, steps, config, max_nodes, max_depth, chain, threads
     )
     warm = time.perf_counter() - t0
     pos = np.full(batch, ctx, dtype=np.int32)
-    timer = Timer()
+    timer, draft_timer = Timer(), Timer()
     emitted = 0
     offsets = np.zeros(batch + 1, dtype=np.int32)
     for _ in range(steps):
-        with timer:
+        with timer, draft_timer:
             tree = cache.draft(slots, seqs, pos, max_nodes, max_depth, chain=chain)
         commits = []
         for b in range(batch):
@@ -207,6 +207,7 @@ def run_cacheback(seqs, ctx, steps, config, max_nodes, max_depth, chain, threads
     return dict(
         tokens_per_step=emitted / (batch * steps),
         **timer.per(batch * steps),
+        draft_cpu_us=draft_timer.per(batch * steps)["cpu_us_per_seq_step"],
         warm_ns_per_token=warm / (batch * ctx) * 1e9,
         nbytes=cache.nbytes,
     )
@@ -300,6 +301,12 @@ def main() -> None:
     ap.add_argument("--baseline-seqs", type=int, default=8)
     ap.add_argument("--baseline-steps", type=int, default=16)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--config",
+        default='{"tables": [[1, 2], [2, 3]], "max_leaders": 1024, "max_followers": 4}',
+        help="NGramCache options as JSON",
+    )
+    ap.add_argument("--no-baselines", action="store_true")
     args = ap.parse_args()
     # Every method on one thread (torch's intra-op pool would otherwise help hf-pld's scans).
     torch.set_num_threads(1)
@@ -307,7 +314,8 @@ def main() -> None:
         args.batches, args.contexts, args.steps = "1,8", "1024", 8
         args.baseline_seqs, args.baseline_steps = 2, 4
 
-    config = dict(tables=[(1, 2), (2, 3)], max_leaders=1024, max_followers=4)
+    config = json.loads(args.config)
+    config["tables"] = [tuple(t) for t in config.get("tables", [(1, 2)])]
     tree_nodes, tree_depth, chain_len = 16, 8, 8
     results = dict(
         machine=dict(
@@ -337,7 +345,7 @@ def main() -> None:
         for ctx in contexts:
             length = ctx + 64 * max(args.steps, args.baseline_steps) + 64
             sub = sample_sequences(stream, args.baseline_seqs, length, seed=ctx)
-            base = {
+            base = {} if args.no_baselines else {
                 "hf-pld": run_chain_baseline(sub, ctx, args.baseline_steps, hf_pld(chain_len, 2)),
                 "numpy-suffix": run_chain_baseline(
                     sub, ctx, args.baseline_steps, numpy_suffix(chain_len, 3)
@@ -374,6 +382,7 @@ def main() -> None:
                     + " ".join(
                         f"{k}: {row[k]['tokens_per_step']:.3f} tok/step "
                         f"{row[k]['us_per_seq_step']:.3f} us cpu {row[k]['cpu_us_per_seq_step']:.3f}"
+                        f" (draft {row[k]['draft_cpu_us']:.3f})"
                         for k in row
                         if k.startswith("cacheback")
                     ),

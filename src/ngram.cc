@@ -1,5 +1,7 @@
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <string>
 
@@ -7,6 +9,10 @@
 #include "specdecode/ngram.h"
 #include "specdecode/ngram_ops.h"
 #include "specdecode/parallel.h"
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 namespace sd {
 namespace cpu {
@@ -60,6 +66,23 @@ void validate_ngram_config(const NGramConfig& c) {
   }
 }
 
+TableMemory::TableMemory(size_t words) : words_(words) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = std::max<size_t>(words * sizeof(int32_t), 64);
+  const size_t align = bytes >= kHuge ? kHuge : 64;
+  const size_t rounded = (bytes + align - 1) / align * align;
+  data_ = static_cast<int32_t*>(std::aligned_alloc(align, rounded));
+  if (!data_) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+  if (align == kHuge) madvise(data_, rounded, MADV_HUGEPAGE);  // a hint; failure is harmless
+#endif
+  std::memset(data_, 0, rounded);
+}
+
+TableMemory::~TableMemory() {
+  std::free(data_);
+}
+
 NGramCache::NGramCache(const NGramConfig& config) : config_(config) {
   validate_ngram_config(config_);
   const int states = num_states();
@@ -71,7 +94,7 @@ NGramCache::NGramCache(const NGramConfig& config) : config_(config) {
   }
   tail_cap_ = max_window - 1;
   for (const TableShape& s : shapes_) {
-    words_.emplace_back(static_cast<size_t>(s.words * states), 0);
+    words_.emplace_back(static_cast<size_t>(s.words * states));
   }
   clocks_.assign(states, 0);
   tails_.assign(static_cast<size_t>(config_.max_sequences) * tail_cap_, kPad);
@@ -91,7 +114,7 @@ int64_t NGramCache::nbytes() const {
 // for introspection; the cache's memory itself is never const.
 Table NGramCache::table(int state, int t) const {
   const TableShape& s = shapes_[t];
-  auto* words = const_cast<int32_t*>(words_[t].data()) + s.words * state;
+  int32_t* words = words_[t].data() + s.words * state;
   return Table(&s, words);
 }
 
@@ -152,44 +175,40 @@ void NGramCache::update_one(int slot, const int32_t* tokens, int64_t n) {
   tail_lens_[slot] = keep;
 }
 
-// The leader of table k's first window in slot's next update (the one ending at the first new
-// token), if the stream is long enough; used only for prefetching.
-bool NGramCache::first_leader(int slot, const int32_t* tokens, int64_t n, int k,
-                              int32_t* leader) const {
-  const TableShape& s = shapes_[k];
+// Prefetch stage `stage` (see Table::prefetch) for the leaders of the windows a row's update
+// will insert (the first few; a step commits a handful of tokens).
+void NGramCache::prefetch_update(int slot, const int32_t* tokens, int64_t n, int stage) const {
+  const int state = config_.shared ? 0 : slot;
   const int64_t t = tail_lens_[slot];
-  const int w = s.leader_len + s.follower_len;
-  if (n <= 0 || t + 1 < w) return false;
   const int32_t* tail = tails_.data() + static_cast<int64_t>(slot) * tail_cap_;
-  for (int j = 0; j < s.leader_len; ++j) {
-    const int64_t i = t + 1 - w + j;
-    leader[j] = i < t ? tail[i] : tokens[i - t];
+  int32_t leader[ngram::kMaxLeaderLen];
+  for (int64_t end = t + 1; end <= t + std::min<int64_t>(n, 8); ++end) {
+    for (int k = 0; k < num_tables(); ++k) {
+      const TableShape& s = shapes_[k];
+      const int w = s.leader_len + s.follower_len;
+      if (end < w) continue;
+      for (int j = 0; j < s.leader_len; ++j) {
+        const int64_t i = end - w + j;
+        leader[j] = i < t ? tail[i] : tokens[i - t];
+      }
+      table(state, k).prefetch(leader, stage);
+    }
   }
-  return true;
 }
 
 void NGramCache::update(const int32_t* slots, int64_t batch, const int32_t* tokens,
                         const int32_t* offsets) {
   // Rows hit unrelated tables, so once a batch's tables outgrow the caches each insert waits on
-  // memory; prefetching the buckets two rows ahead and the records one row ahead hides part of it.
-  auto prefetch = [&](int64_t b, bool record) {
-    int32_t leader[ngram::kMaxLeaderLen];
-    const int slot = slots[b];
-    const int state = config_.shared ? 0 : slot;
-    for (int k = 0; k < num_tables(); ++k) {
-      if (!first_leader(slot, tokens + offsets[b], offsets[b + 1] - offsets[b], k, leader))
-        continue;
-      const Table tab = table(state, k);
-      if (record)
-        tab.prefetch_record(leader);
-      else
-        tab.prefetch_bucket(leader);
-    }
-  };
+  // memory; a three-stage prefetch pipeline over the next rows overlaps those waits.
   auto rows = [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      if (b + 2 < end) prefetch(b + 2, false);
-      if (b + 1 < end) prefetch(b + 1, true);
+      for (int stage = 0; stage < 3; ++stage) {
+        const int64_t ahead = b + 3 - stage;
+        if (ahead < end) {
+          prefetch_update(slots[ahead], tokens + offsets[ahead],
+                          static_cast<int64_t>(offsets[ahead + 1]) - offsets[ahead], stage);
+        }
+      }
       update_one(slots[b], tokens + offsets[b], static_cast<int64_t>(offsets[b + 1]) - offsets[b]);
     }
   };
@@ -348,26 +367,22 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
                        int max_depth, bool chain, int32_t* out_tokens, int32_t* out_parents,
                        int32_t* out_num_nodes) {
   // The root's leaders are the contexts' last tokens, known for every row up front.
-  auto prefetch = [&](int64_t b, bool record) {
+  auto prefetch = [&](int64_t b, int stage) {
     if (max_depth < 1 || max_nodes < 2) return;
-    const int state = config_.shared ? 0 : slots[b];
+    if (stage == 2 && !(config_.touch_on_read && !frozen_)) return;
     const int32_t* ctx = contexts + b * ctx_stride;
     for (int k = 0; k < num_tables(); ++k) {
       const int l = shapes_[k].leader_len;
-      if (context_lens[b] < l) continue;
-      const Table tab = table(state, k);
-      if (record)
-        tab.prefetch_record(ctx + context_lens[b] - l);
-      else
-        tab.prefetch_bucket(ctx + context_lens[b] - l);
+      if (context_lens[b] >= l) table(slots[b], k).prefetch(ctx + context_lens[b] - l, stage);
     }
   };
   auto run = [&](int64_t begin, int64_t end) {
     Scratch scratch(max_nodes);
     for (int64_t b = begin; b < end; ++b) {
       if (!config_.shared) {
-        if (b + 2 < end) prefetch(b + 2, false);
-        if (b + 1 < end) prefetch(b + 1, true);
+        for (int stage = 0; stage < 3; ++stage) {
+          if (b + 3 - stage < end) prefetch(b + 3 - stage, stage);
+        }
       }
       draft_one(slots[b], contexts + b * ctx_stride, context_lens[b], max_nodes, max_depth, chain,
                 scratch, out_tokens + b * max_nodes, out_parents + b * max_nodes,

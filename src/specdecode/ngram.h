@@ -128,21 +128,34 @@ class Table {
     }
   }
 
-  // Prefetch hints for batched callers, which know the next rows' leaders ahead of time:
-  // stage 1 pulls in the leader's home bucket; stage 2 (a row or two later, once that bucket is
-  // cached) pulls in the record the bucket points to. Hints only: nothing is read or written
-  // that a lookup would not read.
-  void prefetch_bucket(const int32_t* leader) const {
-    const uint32_t h = hash_tokens(leader, s_->leader_len);
-    __builtin_prefetch(w_ + 4 + 2 * (h & static_cast<uint32_t>(s_->hash_cap - 1)));
-  }
-  void prefetch_record(const int32_t* leader) const {
+  // Prefetch hints for batched callers, which know later rows' leaders ahead of time. Each
+  // stage assumes the previous one has landed: stage 0 pulls in the leader's home bucket;
+  // stage 1 the record the bucket points to (or, for a new leader in a full table, the least
+  // recent leader's record, which the insert will evict); stage 2 the records an insert or a
+  // touch relinks (the LRU neighbours and the current most recent leader). Hints only: reading
+  // a stale bucket or record here is harmless.
+  void prefetch(const int32_t* leader, int stage) const {
     const uint32_t h = hash_tokens(leader, s_->leader_len);
     const int32_t* b = w_ + 4 + 2 * (h & static_cast<uint32_t>(s_->hash_cap - 1));
-    if (b[0] >= 0 && static_cast<uint32_t>(b[1]) == h) {
-      const int32_t* r = rec(b[0]);
+    if (stage == 0) {
+      __builtin_prefetch(b);
+      return;
+    }
+    const bool hit = b[0] >= 0 && static_cast<uint32_t>(b[1]) == h;
+    const bool evicts = !hit && w_[0] == s_->max_leaders;
+    if (!hit && !evicts) return;
+    const int32_t* r = rec(hit ? b[0] : w_[1]);
+    if (stage == 1) {
       __builtin_prefetch(r, 1);
       __builtin_prefetch(r + 16, 1);
+      return;
+    }
+    if (r[kPrev] >= 0) __builtin_prefetch(rec(r[kPrev]), 1);
+    if (r[kNext] >= 0) __builtin_prefetch(rec(r[kNext]), 1);
+    if (w_[2] >= 0) __builtin_prefetch(rec(w_[2]), 1);
+    if (evicts) {
+      const uint32_t mask = static_cast<uint32_t>(s_->hash_cap - 1);
+      __builtin_prefetch(w_ + 4 + 2 * (static_cast<uint32_t>(r[kTag]) & mask), 1);
     }
   }
 

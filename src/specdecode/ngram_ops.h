@@ -38,6 +38,29 @@ struct NGramConfig {
 // Throws std::invalid_argument naming the bad field.
 void validate_ngram_config(const NGramConfig& config);
 
+// Zeroed int32 memory for the tables, allocated once. Large buffers are 2 MiB aligned and, on
+// Linux, advised to use transparent huge pages: a batch's tables are spread over tens or
+// hundreds of MiB and every lookup lands somewhere random in them, so with 4 KiB pages most
+// lookups would also miss the TLB.
+class TableMemory {
+ public:
+  TableMemory() = default;
+  explicit TableMemory(size_t words);
+  TableMemory(TableMemory&& o) noexcept : data_(o.data_), words_(o.words_) {
+    o.data_ = nullptr;
+    o.words_ = 0;
+  }
+  TableMemory& operator=(TableMemory&&) = delete;
+  TableMemory(const TableMemory&) = delete;
+  ~TableMemory();
+  int32_t* data() const { return data_; }
+  size_t size() const { return words_; }
+
+ private:
+  int32_t* data_ = nullptr;
+  size_t words_ = 0;
+};
+
 class NGramCache {
  public:
   explicit NGramCache(const NGramConfig& config);
@@ -95,7 +118,7 @@ class NGramCache {
   struct Scratch;
 
   void update_one(int slot, const int32_t* tokens, int64_t n);
-  bool first_leader(int slot, const int32_t* tokens, int64_t n, int k, int32_t* leader) const;
+  void prefetch_update(int slot, const int32_t* tokens, int64_t n, int stage) const;
   void draft_one(int slot, const int32_t* context, int context_len, int max_nodes, int max_depth,
                  bool chain, Scratch& scratch, int32_t* out_tokens, int32_t* out_parents,
                  int32_t* out_num_nodes);
@@ -107,9 +130,9 @@ class NGramCache {
 
   NGramConfig config_;
   std::vector<ngram::TableShape> shapes_;
-  std::vector<std::vector<int32_t>> words_;  // per table: num_states * words
-  std::vector<int64_t> clocks_;  // per state: window ends seen, the stamp of the next insert - 1
-  std::vector<int32_t> tails_;   // per slot: tail_cap_ tokens
+  std::vector<TableMemory> words_;  // per table: num_states * words
+  std::vector<int64_t> clocks_;     // per state: window ends seen, the stamp of the next insert - 1
+  std::vector<int32_t> tails_;      // per slot: tail_cap_ tokens
   std::vector<int32_t> tail_lens_;
   int tail_cap_ = 1;
   int max_leader_len_ = 1;
