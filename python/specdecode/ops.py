@@ -14,6 +14,7 @@ Conventions shared by every op:
 from __future__ import annotations
 
 from ._ops.attention import HEAD_DIMS, compact_kv, tree_attention
+from ._ops.ngram import DraftTree, NGramCache
 from ._ops.tree import MAX_TREE_NODES, TreeInfo, chain_parents, tree_info, tree_paths
 
 PAD_TOKEN: int = -1
@@ -22,6 +23,8 @@ PAD_TOKEN: int = -1
 __all__ = [
     "HEAD_DIMS",
     "MAX_TREE_NODES",
+    "DraftTree",
+    "NGramCache",
     "PAD_TOKEN",
     "TreeInfo",
     "chain_parents",
