@@ -11,4 +11,5 @@ PYBIND11_MODULE(_C, m) {
   sd::register_tree_ops(m);
   sd::register_attention_ops(m);
   sd::register_ngram_ops(m);
+  sd::register_verify_ops(m);
 }

@@ -16,6 +16,16 @@ from __future__ import annotations
 from ._ops.attention import HEAD_DIMS, compact_kv, tree_attention
 from ._ops.ngram import DraftTree, NGramCache
 from ._ops.tree import MAX_TREE_NODES, TreeInfo, chain_parents, tree_info, tree_paths
+from ._ops.verify import (
+    MAX_VOCAB,
+    STATUS_BAD_DRAFT,
+    STATUS_NON_FINITE,
+    STATUS_ZERO_MASS,
+    SampleResult,
+    VerifyResult,
+    sample,
+    verify,
+)
 
 PAD_TOKEN: int = -1
 """Padding value for token ids and node indices in ragged batches."""
@@ -25,11 +35,19 @@ __all__ = [
     "MAX_TREE_NODES",
     "DraftTree",
     "NGramCache",
+    "MAX_VOCAB",
     "PAD_TOKEN",
+    "STATUS_BAD_DRAFT",
+    "STATUS_NON_FINITE",
+    "STATUS_ZERO_MASS",
+    "SampleResult",
     "TreeInfo",
+    "VerifyResult",
     "chain_parents",
     "compact_kv",
     "tree_attention",
+    "sample",
     "tree_info",
     "tree_paths",
+    "verify",
 ]

@@ -1,0 +1,169 @@
+"""Benchmark of specdecode.ops.verify on the CPU against pure-PyTorch baselines.
+
+Run (benchmarks must never overlap):
+
+    flock /tmp/specdecode-bench.lock python bench/bench_verify.py [--quick] [--out FILE]
+
+Cases: B in {1, 8, 64}; chains of k in {4, 8} drafts and a 64-node tree (a binary heap tree,
+siblings sampled from q without replacement); V in {32000, 128256}; target logits and target
+probabilities (float32). Every case has draft probabilities q and draft tokens sampled from q,
+with q close to the target (so that several drafts get accepted, as in practice).
+
+Baselines measured in the same run:
+* ``torch``: the vectorised pure-PyTorch exact chain verification of tests/reference_verify.py
+  (softmax of every row, gather, cumprod of the accepts, residual of the stop row, multinomial);
+* ``hf``: transformers' ``_speculative_sampling`` (batch 1, chains, logits: it softmaxes the
+  draft logits too, which it is given as log q);
+* the machine's memory bandwidth: a reduction over a 1 GiB float32 tensor (read-only).
+
+``GB/s`` is the bytes that must be read divided by the op's time: every target row on the accepted
+path plus the draft row of the node where the draft was rejected (V * 4 bytes each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+
+import specdecode
+from specdecode import ops
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from reference_verify import torch_verify_chain  # noqa: E402
+
+
+def timeit(fn, min_time: float = 0.3, min_reps: int = 3, max_reps: int = 200) -> float:
+    fn()  # warm-up
+    times = []
+    start = time.perf_counter()
+
+    def more() -> bool:
+        return len(times) < min_reps or time.perf_counter() - start < min_time
+
+    while len(times) < max_reps and more():
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def memory_bandwidth() -> float:
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
+    t = timeit(lambda: x.sum(), min_time=1.0)
+    return x.numel() * 4 / t / 1e9
+
+
+def make_case(b: int, parents: list[int] | None, n: int, v: int, gen: torch.Generator):
+    distinct = 16
+    base = torch.randn(distinct, v, generator=gen) * 3
+    base_q = torch.softmax(base + torch.randn(distinct, v, generator=gen), -1)
+    idx = torch.arange(b * n) % distinct
+    target = base[idx].view(b, n, v)
+    q = base_q[idx].view(b, n, v)
+    tokens = torch.zeros(b, n, dtype=torch.int64)
+    if parents is None:
+        draws = torch.multinomial(base_q, 64, replacement=True, generator=gen)
+        for i in range(1, n):
+            rows = idx.view(b, n)[:, i - 1]
+            tokens[:, i] = draws[rows, torch.randint(0, 64, (b,), generator=gen)]
+    else:
+        pairs = torch.multinomial(base_q, 2, replacement=False, generator=gen)
+        for i in range(1, n):
+            p = parents[i]
+            rows = idx.view(b, n)[:, p]
+            tokens[:, i] = pairs[rows, (i - 1) % 2]
+    return target, q, tokens
+
+
+def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling) -> list[str]:
+    out = []
+    target, q, tokens = make_case(b, parents_list, n, v, gen)
+    parents = None
+    if parents_list is not None:
+        parents = torch.tensor(parents_list, dtype=torch.int32).expand(b, n).contiguous()
+    seed = torch.arange(b)
+    for kind in ("logits", "probs"):
+        logits = kind == "logits"
+        rows = target if logits else torch.softmax(target, -1)
+        kw = dict(parents=parents, draft_probs=q, seed=seed, offset=1, target_is_logits=logits)
+
+        def native(rows=rows, kw=kw):
+            return ops.verify(rows, tokens, **kw)
+
+        res = native()
+        t_native = timeit(native)
+        visited = int(res.num_accepted.sum()) + b
+        if parents_list is None:
+            rejected = int((res.num_accepted < n - 1).sum())
+        else:
+            rejected = b  # counted as one q row per sequence
+        bytes_read = (visited + rejected) * v * 4
+        gbs = bytes_read / t_native / 1e9
+        t_torch = t_hf = float("nan")
+        if parents_list is None:
+
+            def baseline(rows=rows, logits=logits):
+                return torch_verify_chain(rows, q, tokens, target_is_logits=logits)
+
+            t_torch = timeit(baseline)
+            if b == 1 and logits and hf_sampling is not None:
+                k = n - 1
+                ids = tokens[:, 1:]
+                cand_logits = torch.log(q[:, :k])
+
+                def hf(rows=rows, ids=ids, cand_logits=cand_logits, k=k):
+                    return hf_sampling(ids, cand_logits, k, rows)
+
+                t_hf = timeit(hf)
+        line = (
+            f"| {name} | {b} | {v} | {kind} | {t_native * 1e3:.3f} | "
+            f"{t_torch * 1e3:.3f} | {t_torch / t_native:.1f}x | {t_hf * 1e3:.3f} | "
+            f"{visited / b - 1:.2f} | {gbs:.1f} | {100 * gbs / bw:.0f}% |"
+        )
+        print(line, flush=True)
+        out.append(line)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="B=8 only, fewer cases")
+    ap.add_argument("--out", default=None, help="write the markdown table here too")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    bw = memory_bandwidth()
+    lines = [
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"specdecode threads {specdecode.get_num_threads()}, torch threads "
+        f"{torch.get_num_threads()}, torch {torch.__version__}",
+        f"memory bandwidth (1 GiB float32 sum, read): {bw:.1f} GB/s",
+        "",
+        "| shape | B | V | input | specdecode ms | torch ms | speed-up | hf ms | accepted/seq "
+        "| GB/s | % of bw |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    try:
+        from transformers.generation.utils import _speculative_sampling
+    except ImportError:  # pragma: no cover
+        _speculative_sampling = None
+    heap = [-1] + [(i - 1) // 2 for i in range(1, 64)]
+    shapes = [("chain k=4", None, 5), ("chain k=8", None, 9), ("tree 64", heap, 64)]
+    batches = [8] if args.quick else [1, 8, 64]
+    for name, parents_list, n in shapes:
+        for v in (32000, 128256):
+            for b in batches:
+                lines += run_case(name, parents_list, n, v, b, gen, bw, _speculative_sampling)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,651 @@
+"""Batched verification of draft chains and trees (rejection sampling), and plain sampling.
+
+For each sequence ``b`` of a batch, the draft is a tree in the format of :func:`tree_info`
+(``parents=None`` means a chain): node 0 is the root (the last committed token) and
+``tokens[b, i]`` is the draft token of node ``i``. ``target[b, i, :]`` is the target's
+distribution for the child of node ``i`` (logits or probabilities), and ``draft_probs[b, i, :]``
+(optional) the distribution the drafter sampled node ``i``'s children from.
+
+The walk starts at the root. At each node the children are tried in ascending node order with the
+rule of ``method``; the first accepted child becomes the next node. Where no child is accepted, a
+**correction** token is drawn from what is left of the target distribution; at a leaf, a **bonus**
+token is drawn from the leaf's target row. A step therefore emits 1 to depth + 1 tokens.
+
+Target rows are turned into the sampling distribution inside the kernel: logits are divided by
+``temperature`` (0 means greedy), then top-k keeps the tokens whose logit is at least the k-th
+largest (ties kept), then top-p keeps the most likely tokens whose mass reaches ``top_p`` (ties at
+the threshold kept); the rest is renormalised. Nothing of size ``V`` is materialised.
+
+Randomness is Philox4x32-10 keyed by ``(seed[b], offset[b], node, purpose)``: results do not
+depend on the batch order, the number of threads or the backend (CPU and CUDA emit the same
+tokens). Use a new ``offset`` for every step of a sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Union
+
+import numpy as np
+import torch
+
+from .. import _C
+from .common import stream_of
+from .tree import MAX_TREE_NODES, tree_info
+
+MAX_VOCAB = 256 * 2048
+"""Largest vocabulary the kernels accept (fixed chunking of the canonical sums)."""
+
+MAX_SIBLINGS = 64
+"""Most children one node of a draft tree may have (exact and relaxed methods)."""
+
+STATUS_NON_FINITE = 1
+"""Status bit: a target row on the walk had a NaN/+Inf logit (or a NaN/Inf/negative probability)."""
+STATUS_ZERO_MASS = 2
+"""Status bit: a target row on the walk had no mass (all logits -inf, or all probabilities 0)."""
+STATUS_BAD_DRAFT = 4
+"""Status bit: a draft probability read on the walk was NaN, Inf or negative."""
+
+_STATUS_BAD_TREE, _STATUS_BAD_TOKEN, _STATUS_DEPTH, _STATUS_SIBLINGS = 16, 32, 64, 128
+
+_METHODS = {"exact": 0, "greedy": 1, "typical": 2, "relaxed": 3, "topk_accept": 4}
+
+Scalar = Union[int, float]
+
+
+class VerifyResult(NamedTuple):
+    """Result of :func:`verify`; int32 tensors on the device of ``target``.
+
+    Attributes
+    ----------
+    emitted : torch.Tensor
+        ``[B, D + 1]``: the accepted draft tokens in path order, then the correction or bonus
+        token; padded with -1. ``D`` is ``max_depth``.
+    num_emitted : torch.Tensor
+        ``[B]``: valid entries of ``emitted`` (``num_accepted + 1``, or ``num_accepted`` when a
+        row had a non-zero ``status``).
+    path : torch.Tensor
+        ``[B, D + 1]``: node index of the root (0) and of each accepted node, padded with -1.
+        The KV cache of nodes ``path[b, :num_accepted[b] + 1]`` is the one to keep.
+    status : torch.Tensor
+        ``[B]``: 0, or an OR of :data:`STATUS_NON_FINITE`, :data:`STATUS_ZERO_MASS`,
+        :data:`STATUS_BAD_DRAFT`. A flagged row stops at the node whose row was bad and emits no
+        correction/bonus token there; the draft tokens accepted before it stand.
+    num_accepted : torch.Tensor
+        ``[B]``: number of accepted draft tokens (the depth of the last node of ``path``).
+    """
+
+    emitted: torch.Tensor
+    num_emitted: torch.Tensor
+    path: torch.Tensor
+    status: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+class SampleResult(NamedTuple):
+    """Result of :func:`sample`; int32 tensors on the device of ``logits``.
+
+    Attributes
+    ----------
+    tokens : torch.Tensor
+        ``[B]``: the sampled token ids, -1 where ``status`` is non-zero.
+    status : torch.Tensor
+        ``[B]``: 0, or :data:`STATUS_NON_FINITE` / :data:`STATUS_ZERO_MASS` for a bad row.
+    """
+
+    tokens: torch.Tensor
+    status: torch.Tensor
+
+
+# ---- argument conversion -------------------------------------------------------------------------
+
+
+def _tensor(x: Any, name: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach() if x.requires_grad else x
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    if hasattr(x, "__dlpack__"):
+        return torch.from_dlpack(x)
+    if isinstance(x, (list, tuple)):
+        try:
+            return torch.tensor(x)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}: cannot make an array from the given list: {exc}") from None
+    raise TypeError(
+        f"{name}: expected a torch.Tensor, numpy.ndarray or an array with __dlpack__, "
+        f"got {type(x).__name__}"
+    )
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+
+def _check_float_rows(x: torch.Tensor, name: str, ndim: int) -> None:
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {list(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous array (call .contiguous())")
+
+
+def _same_device(x: torch.Tensor, name: str, device: torch.device) -> None:
+    if x.device != device:
+        raise ValueError(f"{name}: expected an array on {device} (as target), got {x.device}")
+
+
+def _int_rows(x: Any, name: str, batch: int, n: int, device: torch.device) -> torch.Tensor:
+    t = _tensor(x, name)
+    if t.dtype not in _INTS:
+        raise TypeError(f"{name}: expected int32 or int64, got {t.dtype}")
+    if tuple(t.shape) != (batch, n):
+        raise ValueError(f"{name}: expected shape [B, N] = [{batch}, {n}], got {list(t.shape)}")
+    _same_device(t, name, device)
+    if t.dtype == torch.int64:
+        if t.device.type == "cpu" and t.numel() and (t.min() < -(2**31) or t.max() >= 2**31):
+            raise ValueError(f"{name}: values must fit in int32")
+        t = t.to(torch.int32)
+    return t.contiguous()
+
+
+def _per_sequence(
+    value: Any,
+    name: str,
+    batch: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    lo: float,
+    hi: float,
+    lo_open: bool = False,
+) -> torch.Tensor:
+    """A scalar or [B] array as a contiguous [B] tensor of `dtype`; values checked in range."""
+    integer = dtype in _INTS
+
+    def bad(v: float) -> bool:
+        return not (v > lo if lo_open else v >= lo) or not v <= hi
+
+    rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
+    if isinstance(value, bool) or value is None:
+        raise TypeError(f"{name}: expected a number or a [B] array, got {value!r}")
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        if integer and not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {value!r}")
+        if bad(float(value)):
+            raise ValueError(f"{name}: expected a value in {rng}, got {value!r}")
+        return torch.full((batch,), value, dtype=dtype, device=device)
+    t = _tensor(value, name)
+    if integer and t.dtype not in _INTS:
+        raise TypeError(f"{name}: expected an int32 or int64 array, got {t.dtype}")
+    if not integer and not (t.dtype.is_floating_point or t.dtype in _INTS):
+        raise TypeError(f"{name}: expected a float array, got {t.dtype}")
+    if t.dim() == 0:
+        t = t.reshape(1).expand(batch)
+    if tuple(t.shape) != (batch,):
+        raise ValueError(f"{name}: expected a scalar or shape [B] = [{batch}], got {list(t.shape)}")
+    _same_device(t, name, device)
+    # Value checks need the data on the host; device arrays (CUDA-graph capture) are trusted and
+    # the kernel treats out-of-range values safely (see verify's docstring).
+    if t.device.type == "cpu" and batch:
+        f = t.double()
+        if torch.isnan(f).any() or bad(float(f.min())) or bad(float(f.max())):
+            raise ValueError(f"{name}: every value must be in {rng}")
+    return t.to(dtype).contiguous()
+
+
+def _raise_walk_errors(status: torch.Tensor, parents: Optional[torch.Tensor], n: int) -> None:
+    hard = status & (_STATUS_BAD_TREE | _STATUS_BAD_TOKEN | _STATUS_DEPTH | _STATUS_SIBLINGS)
+    bad = torch.nonzero(hard).flatten()
+    if bad.numel() == 0:
+        return
+    b = int(bad[0])
+    code = int(hard[b])
+    if code & _STATUS_BAD_TREE:
+        what = (
+            "num_nodes",
+            f"num_nodes[{b}] must be in [1, the nodes of the tree row ({n} at most)]",
+        )
+        if parents is not None:
+            tree_info(parents[b : b + 1])  # raises the tree error with its explanation
+    elif code & _STATUS_BAD_TOKEN:
+        what = ("tokens", f"batch row {b} has a draft token outside [0, V)")
+    elif code & _STATUS_DEPTH:
+        what = ("max_depth", f"batch row {b} has a path deeper than max_depth")
+    else:
+        what = (
+            "parents",
+            f"batch row {b} has a node with more than {MAX_SIBLINGS} children, "
+            "the most verify supports",
+        )
+    raise ValueError(f"{what[0]}: {what[1]}")
+
+
+# ---- the native call, registered with torch.library ----------------------------------------------
+
+
+def _run(
+    target: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: Optional[torch.Tensor],
+    num_nodes: Optional[torch.Tensor],
+    draft_probs: Optional[torch.Tensor],
+    allow: Optional[torch.Tensor],
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    target_is_logits: bool,
+    method: int,
+    eps: float,
+    alpha: float,
+    topk_accept: int,
+    correction_from_target: bool,
+    max_depth: int,
+    check: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, n = target.shape[0], target.shape[1]
+    device = target.device
+    emitted = torch.empty((batch, max_depth + 1), dtype=torch.int32, device=device)
+    path = torch.empty_like(emitted)
+    num_emitted = torch.empty((batch,), dtype=torch.int32, device=device)
+    status = torch.empty_like(num_emitted)
+    num_accepted = torch.empty_like(num_emitted)
+    _C.verify(
+        target,
+        draft_probs,
+        tokens,
+        parents,
+        num_nodes,
+        allow,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        offset,
+        target_is_logits,
+        method,
+        eps,
+        alpha,
+        topk_accept,
+        correction_from_target,
+        max_depth,
+        emitted,
+        num_emitted,
+        path,
+        status,
+        num_accepted,
+        stream_of(device),
+    )
+    if check:
+        _raise_walk_errors(status, parents, n)
+    return emitted, num_emitted, path, status, num_accepted
+
+
+@torch.library.custom_op("specdecode::verify", mutates_args=())
+def _verify_op(
+    target: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: Optional[torch.Tensor],
+    num_nodes: Optional[torch.Tensor],
+    draft_probs: Optional[torch.Tensor],
+    allow: Optional[torch.Tensor],
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    target_is_logits: bool,
+    method: int,
+    eps: float,
+    alpha: float,
+    topk_accept: int,
+    correction_from_target: bool,
+    max_depth: int,
+    check: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run(
+        target,
+        tokens,
+        parents,
+        num_nodes,
+        draft_probs,
+        allow,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        offset,
+        target_is_logits,
+        method,
+        eps,
+        alpha,
+        topk_accept,
+        correction_from_target,
+        max_depth,
+        check,
+    )
+
+
+@_verify_op.register_fake
+def _verify_fake(
+    target,
+    tokens,
+    parents,
+    num_nodes,
+    draft_probs,
+    allow,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    offset,
+    target_is_logits,
+    method,
+    eps,
+    alpha,
+    topk_accept,
+    correction_from_target,
+    max_depth,
+    check,
+):
+    batch = target.shape[0]
+    emitted = target.new_empty((batch, max_depth + 1), dtype=torch.int32)
+    vec = target.new_empty((batch,), dtype=torch.int32)
+    return emitted, vec, torch.empty_like(emitted), torch.empty_like(vec), torch.empty_like(vec)
+
+
+def _dispatch(*args: Any) -> tuple[torch.Tensor, ...]:
+    # Eager calls go straight to the native module; under torch.compile the registered op (with
+    # its fake implementation) keeps the graph traceable.
+    if torch.compiler.is_compiling():
+        return torch.ops.specdecode.verify(*args)
+    return _run(*args)
+
+
+# ---- public API ----------------------------------------------------------------------------------
+
+
+def verify(
+    target: Any,
+    tokens: Any,
+    *,
+    parents: Any = None,
+    num_nodes: Any = None,
+    draft_probs: Any = None,
+    target_is_logits: bool = True,
+    temperature: Any = 1.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    seed: Any,
+    offset: Any,
+    method: str = "exact",
+    eps: Optional[float] = None,
+    alpha: Optional[float] = None,
+    topk_accept: Optional[int] = None,
+    correction: str = "residual",
+    allow: Any = None,
+    max_depth: Optional[int] = None,
+    check: bool = True,
+) -> VerifyResult:
+    """Verifies a batch of draft chains or trees against the target in one call.
+
+    Parameters
+    ----------
+    target : torch.Tensor or array-like
+        float32, float16 or bfloat16 ``[B, N, V]``, contiguous, ``1 <= N <= 1024``,
+        ``1 <= V <= 524288``: row ``[b, i]`` is the target's distribution for the child of node
+        ``i`` (logits, or probabilities when ``target_is_logits=False``; probabilities need not
+        be normalised exactly, they are renormalised).
+    tokens : torch.Tensor or array-like
+        int32 or int64 ``[B, N]``: the draft token of each node; ``tokens[b, 0]`` (the root) is
+        not read, the tokens of valid nodes must be in ``[0, V)``, padding is ignored.
+    parents : torch.Tensor or array-like, optional
+        int32 ``[B, N]`` in the tree format of :func:`tree_info`. None: every row is a chain
+        ``0 -> 1 -> ... -> N-1``.
+    num_nodes : torch.Tensor or array-like, optional
+        int32 ``[B]``: valid nodes per row, in ``[1, nodes of the tree row]`` (variable draft
+        lengths; nodes past it are ignored). Default: all ``N`` nodes for chains, the unpadded
+        nodes of each tree row.
+    draft_probs : torch.Tensor or array-like, optional
+        float32/float16/bfloat16 ``[B, N, V]``, contiguous: row ``[b, i]`` is the distribution
+        ``q`` the drafter sampled node ``i``'s children from (siblings sampled without
+        replacement). None: the children were chosen deterministically (n-gram, top-k, argmax).
+        A drafted token with ``q(x) = 0`` is accepted iff ``p(x) > 0`` (``u * q(x) < p(x)``),
+        i.e. treated as an infinitely unlikely draft.
+    target_is_logits : bool
+        Whether ``target`` holds logits (default) or probabilities.
+    temperature, top_k, top_p : scalar or array-like [B]
+        Per sequence; temperature ``>= 0`` (0 = greedy: ``method`` is then ``"greedy"`` for that
+        sequence), top_k ``>= 0`` (0 = off), top_p in ``(0, 1]`` (1 = off). With probability
+        inputs the temperature must be 0 or 1. Device arrays are not range-checked (that would
+        sync); the kernel treats a temperature <= 0 as greedy and top_k <= 0 or >= V as off.
+    seed, offset : int or array-like [B]
+        Philox key and counter offset per sequence (int32/int64; may live on the device).
+    method : str
+        ``"exact"`` (default, lossless): one child sampled from q is accepted with
+        ``min(1, p(x)/q(x))``; several children sampled from q use recursive rejection sampling
+        without replacement (residual ``p <- norm(max(p - q, 0))``, q renormalised without the
+        tried token); deterministic children are accepted with
+        ``p(c) / (1 - p(tried children))`` and the residual is p without the tried children.
+        The output is distributed exactly as the target's sampling distribution.
+        ``"greedy"``: follow the child equal to the target's argmax (ties: lowest id), emit the
+        argmax at the stop; exact for temperature 0.
+        ``"typical"`` (lossy, Medusa): accept the first child with
+        ``p(x) > min(eps, alpha * exp(-H(p)))``; the correction/bonus token is sampled from p.
+        Gives up exactness: likely-but-unsampled continuations are accepted more often than p
+        says, which favours frequent tokens and lowers diversity.
+        ``"relaxed"`` (lossy, Yin et al.): accept with ``min(1, p(x)/q(x) + eps)`` (deterministic
+        children: ``q`` is the one-hot of the child); the correction comes from
+        ``norm(max(p - q, 0))`` (``correction="residual"``, Decoding-OPT: the law that minimises
+        the total-variation distance to p for this acceptance rule, which is then
+        ``sum max(min(q, p + eps q) - p, 0)``) or from p itself (``correction="target"``,
+        Decoding-UNO). Gives up exactness for acceptance: over-accepts tokens the draft
+        over-weights.
+        ``"topk_accept"`` (lossy): accept the first child among the target's ``topk_accept`` most
+        likely tokens (ties favour acceptance; probability-0 tokens never); correction/bonus from
+        p. Gives up exactness: the draft's choice among the top K replaces the target's.
+    eps, alpha : float, optional
+        typical: ``eps`` (default 0.09) and ``alpha`` (default 0.3); relaxed: ``eps >= 0``
+        (required).
+    topk_accept : int, optional
+        K for ``method="topk_accept"`` (required, >= 1).
+    correction : str
+        ``"residual"`` (default) or ``"target"``; only for ``method="relaxed"``.
+    allow : torch.Tensor or array-like, optional
+        bool ``[B, N]``: node ``i`` is accepted regardless of the rule when its parent is reached
+        (the hook for judges and importance-based verifiers). Gives up exactness wherever it is
+        set.
+    max_depth : int, optional
+        ``D``, the width of the outputs minus one. Default: ``N - 1`` for chains, the largest
+        depth of the trees (computed with :func:`tree_info`, a device sync on a GPU).
+    check : bool
+        Raise ValueError for invalid trees, out-of-range tokens or a too small ``max_depth``
+        after the call (a device sync on a GPU). With False these only show in ``status``
+        (bits 16, 32, 64, 128) and the row emits nothing.
+
+    Returns
+    -------
+    VerifyResult
+        ``emitted``, ``num_emitted``, ``path``, ``status``, ``num_accepted`` (int32, on the
+        device of ``target``).
+
+    Raises
+    ------
+    TypeError
+        A wrong dtype of any argument.
+    ValueError
+        A wrong shape, device or contiguity, a value out of range, an invalid tree, or a draft
+        token outside ``[0, V)``; the message names the argument.
+
+    Notes
+    -----
+    Zero-probability tokens are never emitted (in every method but ``allow``). Rows with NaN/Inf
+    values only matter when the walk reads them: they set ``status`` and emit nothing there.
+    Uniforms have 24 bits, so tokens of probability below about 6e-8 are drawn with slightly
+    quantised probability; logits more than 87 below the maximum count as probability 0.
+    """
+    if method not in _METHODS:
+        raise ValueError(f"method: expected one of {sorted(_METHODS)}, got {method!r}")
+    if correction not in ("residual", "target"):
+        raise ValueError(f"correction: expected 'residual' or 'target', got {correction!r}")
+    target_t = _tensor(target, "target")
+    _check_float_rows(target_t, "target", 3)
+    batch, n, vocab = (int(s) for s in target_t.shape)
+    if not 1 <= n <= MAX_TREE_NODES:
+        raise ValueError(f"target: expected 1 <= N <= {MAX_TREE_NODES} nodes, got N = {n}")
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"target: expected 1 <= V <= {MAX_VOCAB}, got V = {vocab}")
+    device = target_t.device
+    tokens_t = _int_rows(tokens, "tokens", batch, n, device)
+
+    parents_t = None
+    if parents is not None:
+        parents_t = _int_rows(parents, "parents", batch, n, device)
+    num_nodes_t = None
+    if num_nodes is not None:
+        num_nodes_t = _per_sequence(num_nodes, "num_nodes", batch, torch.int32, device, 1, n)
+    draft_t = None
+    if draft_probs is not None:
+        draft_t = _tensor(draft_probs, "draft_probs")
+        _check_float_rows(draft_t, "draft_probs", 3)
+        if tuple(draft_t.shape) != (batch, n, vocab):
+            raise ValueError(
+                f"draft_probs: expected shape [B, N, V] = [{batch}, {n}, {vocab}] (as target), "
+                f"got {list(draft_t.shape)}"
+            )
+        _same_device(draft_t, "draft_probs", device)
+    allow_t = None
+    if allow is not None:
+        allow_t = _tensor(allow, "allow")
+        if allow_t.dtype not in (torch.bool, torch.uint8):
+            raise TypeError(f"allow: expected bool (or uint8), got {allow_t.dtype}")
+        if tuple(allow_t.shape) != (batch, n):
+            raise ValueError(
+                f"allow: expected shape [B, N] = [{batch}, {n}], got {list(allow_t.shape)}"
+            )
+        _same_device(allow_t, "allow", device)
+        allow_t = allow_t.contiguous()
+
+    if target_is_logits:
+        temp_t = _per_sequence(temperature, "temperature", batch, torch.float32, device, 0, 3e38)
+    else:
+        temp_t = _per_sequence(temperature, "temperature", batch, torch.float32, device, 0, 1)
+        if temp_t.device.type == "cpu" and bool(((temp_t != 0) & (temp_t != 1)).any()):
+            raise ValueError("temperature: with probability inputs it must be 0 or 1")
+    top_k_t = _per_sequence(top_k, "top_k", batch, torch.int32, device, 0, 2**31 - 1)
+    top_p_t = _per_sequence(top_p, "top_p", batch, torch.float32, device, 0, 1, lo_open=True)
+    seed_t = _per_sequence(seed, "seed", batch, torch.int64, device, -(2**63), 2**63 - 1)
+    offset_t = _per_sequence(offset, "offset", batch, torch.int64, device, -(2**63), 2**63 - 1)
+
+    code = _METHODS[method]
+    eps_v, alpha_v, k_v = 0.0, 0.0, 0
+    if method == "typical":
+        eps_v = 0.09 if eps is None else float(eps)
+        alpha_v = 0.3 if alpha is None else float(alpha)
+        if not (0 <= eps_v <= 1 and alpha_v >= 0 and np.isfinite(alpha_v)):
+            raise ValueError(f"eps, alpha: expected 0 <= eps <= 1, alpha >= 0, got {eps}, {alpha}")
+    elif method == "relaxed":
+        if eps is None:
+            raise ValueError("eps: method='relaxed' needs eps >= 0 (the acceptance slack)")
+        eps_v = float(eps)
+        if not (eps_v >= 0 and np.isfinite(eps_v)):
+            raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
+    elif method == "topk_accept":
+        if not isinstance(topk_accept, (int, np.integer)) or isinstance(topk_accept, bool):
+            raise ValueError(
+                f"topk_accept: method='topk_accept' needs an int K >= 1, got {topk_accept!r}"
+            )
+        if not 1 <= topk_accept < 2**31:
+            raise ValueError(f"topk_accept: expected K >= 1, got {topk_accept}")
+        k_v = int(topk_accept)
+    if max_depth is None:
+        if parents_t is None:
+            max_depth = n - 1
+        else:
+            max_depth = int(tree_info(parents_t).depth.max()) if batch else 0
+    if isinstance(max_depth, bool) or not isinstance(max_depth, (int, np.integer)):
+        raise TypeError(f"max_depth: expected an int, got {max_depth!r}")
+    if not 0 <= max_depth < MAX_TREE_NODES:
+        raise ValueError(f"max_depth: expected 0 <= max_depth < {MAX_TREE_NODES}, got {max_depth}")
+
+    out = _dispatch(
+        target_t,
+        tokens_t,
+        parents_t,
+        num_nodes_t,
+        draft_t,
+        allow_t,
+        temp_t,
+        top_k_t,
+        top_p_t,
+        seed_t,
+        offset_t,
+        bool(target_is_logits),
+        code,
+        eps_v,
+        alpha_v,
+        k_v,
+        correction == "target",
+        int(max_depth),
+        bool(check),
+    )
+    return VerifyResult(*out)
+
+
+def sample(
+    logits: Any,
+    temperature: Any = 1.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    *,
+    seed: Any,
+    offset: Any,
+    target_is_logits: bool = True,
+) -> SampleResult:
+    """Samples one token per row with the processing and RNG of :func:`verify`.
+
+    The non-speculative path: equal to :func:`verify` of a tree with only the root (the token is
+    the bonus token of node 0), so a speculative and a plain step sample identically.
+
+    Parameters
+    ----------
+    logits : torch.Tensor or array-like
+        float32, float16 or bfloat16 ``[B, V]``, contiguous (probabilities when
+        ``target_is_logits=False``).
+    temperature, top_k, top_p : scalar or array-like [B]
+        As in :func:`verify` (temperature 0 = argmax).
+    seed, offset : int or array-like [B]
+        Philox key and offset per sequence.
+    target_is_logits : bool
+        Whether ``logits`` holds logits (default) or probabilities.
+
+    Returns
+    -------
+    SampleResult
+        ``tokens`` int32 ``[B]`` (-1 for bad rows) and ``status`` int32 ``[B]``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`verify`, naming the argument.
+    """
+    x = _tensor(logits, "logits")
+    _check_float_rows(x, "logits", 2)
+    batch = int(x.shape[0])
+    tokens = torch.zeros((batch, 1), dtype=torch.int32, device=x.device)
+    try:
+        res = verify(
+            x.unsqueeze(1),
+            tokens,
+            target_is_logits=target_is_logits,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            offset=offset,
+            max_depth=0,
+        )
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("target:", "logits:", 1)) from None
+    return SampleResult(res.emitted[:, 0], res.status)

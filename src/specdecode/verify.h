@@ -1,0 +1,820 @@
+// Batched verification of draft chains and trees: the math shared by the CPU and CUDA backends.
+//
+// Everything that decides a token lives here: the per-element arithmetic (own exp/log built from
+// correctly rounded +, -, *, / only, so both backends round identically), the canonical order of
+// every floating-point sum, the acceptance tests, the residual distributions and the order of the
+// random draws. A backend only supplies an "executor" with a handful of row-wide collectives whose
+// results are exact or defined in a fixed order (see CpuExec in src/verify.cc and the block
+// executor in cuda/verify.cu):
+//
+//   bool leader()                          the one thread that writes outputs
+//   ScanResult scan(n, load, is_bad)       max value, its lowest index, and whether any is bad
+//   float chunk_sums(n, f, which)          canonical chunk sums of f into sums(which); the total
+//   float* sums(which)                     the chunk sums of the last chunk_sums(., ., which)
+//   int64_t count_if(n, pred)              exact count
+//   float kth_largest(n, load, k)          the k-th largest value (exact, so order-free)
+//
+// Sums are canonical: the vocabulary is cut into chunks of kChunk tokens; a chunk's sum adds its
+// elements into 8 lanes (element i into lane i % 8, in increasing i) and combines the lanes as
+// ((0+1)+(2+3))+((4+5)+(6+7)); the row total adds the chunk sums in chunk order. Both backends
+// compute exactly this, so totals, thresholds and sampled tokens agree bit for bit.
+//
+// Sampling is by inverse CDF over those chunk sums: one uniform u, the chunk where the running
+// chunk total first exceeds u * total, then a sequential scan inside that one chunk. It needs no
+// extra pass over the row beyond the sums and never picks a token of weight 0.
+#pragma once
+
+#include <cstdint>
+
+#include "specdecode/host_device.h"
+#include "specdecode/philox.h"
+#include "specdecode/tree.h"
+
+namespace sd {
+namespace verify {
+
+constexpr int kChunk = 256;
+constexpr int kMaxChunks = 2048;
+constexpr int64_t kMaxVocab = static_cast<int64_t>(kChunk) * kMaxChunks;  // 524288
+// The tried siblings of a node (and, with q, the per-level state of recursive rejection sampling)
+// live in fixed per-thread arrays, so a node may have at most this many children.
+constexpr int kMaxSiblings = 64;
+
+enum Method : int32_t {
+  kExact = 0,
+  kGreedy = 1,
+  kTypical = 2,
+  kRelaxed = 3,
+  kTopKAccept = 4,
+};
+
+// Bits of the per-sequence status. The low bits flag data the walk met (the sequence's outputs
+// stop at that node); the high bits are caller errors the Python layer turns into ValueError.
+enum StatusBits : int32_t {
+  kNonFiniteTarget = 1,  // NaN/+Inf logit, or NaN/Inf/negative probability, in a target row read
+  kZeroMassTarget = 2,   // a target row read has no mass (all -inf logits / all-zero probabilities)
+  kBadDraftRow = 4,      // NaN/Inf/negative draft probability met
+  kBadTree = 16,         // invalid parents row, or num_nodes outside [1, nodes of the tree]
+  kBadToken = 32,        // a draft token outside [0, V)
+  kDepthOverflow = 64,   // the accepted path could exceed max_depth
+  kTooManySiblings = 128,  // a node with more than kMaxSiblings children
+};
+
+// ---- arithmetic that rounds identically on host and device ------------------------------------
+// nvcc contracts a * b + c into an fma by default; the _rn intrinsics forbid it. The host build
+// uses -ffp-contract=off for the same reason.
+SD_HD_INLINE float fadd(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+SD_HD_INLINE float fsub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+SD_HD_INLINE float fmul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+SD_HD_INLINE float fdiv(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+constexpr float kInf = __builtin_huge_valf();
+constexpr float kFloatMax = 3.402823466e38f;
+
+SD_HD_INLINE bool is_nan(float x) {
+  return x != x;
+}
+SD_HD_INLINE bool is_finite(float x) {
+  return x >= -kFloatMax && x <= kFloatMax;
+}
+
+// exp(x) for the softmax, about 2 ulp. Results below 2^-126 (x < -87) flush to 0: such tokens
+// are at least e^-87 times less likely than the most likely one and count as probability 0.
+SD_HD_INLINE float exp_approx(float x) {
+  const bool tiny = !(x > -87.0f);  // also -inf
+  x = tiny ? 0.0f : (x < 88.0f ? x : 88.0f);
+  // n = round(x / ln 2) with the 1.5 * 2^23 trick (exact for |n| < 2^22, no libm floor).
+  const float magic = 12582912.0f;
+  const float n = fsub(fadd(fmul(x, 1.44269504088896341f), magic), magic);
+  // Cody-Waite reduction: ln2_hi has few mantissa bits, so n * ln2_hi is exact.
+  const float r = fsub(fsub(x, fmul(n, 0.693145751953125f)), fmul(n, 1.428606765330187e-06f));
+  float p = 1.0f / 5040.0f;
+  p = fadd(fmul(p, r), 1.0f / 720.0f);
+  p = fadd(fmul(p, r), 1.0f / 120.0f);
+  p = fadd(fmul(p, r), 1.0f / 24.0f);
+  p = fadd(fmul(p, r), 1.0f / 6.0f);
+  p = fadd(fmul(p, r), 0.5f);
+  p = fadd(fmul(p, r), 1.0f);
+  p = fadd(fmul(p, r), 1.0f);
+  const int e = static_cast<int>(n) + 127;  // in [1, 254] by the clamps above
+  const float scale = bits_to_float(static_cast<uint32_t>(e) << 23);
+  // Evaluated unconditionally, then selected: with -ftrapping-math a conditional multiply would
+  // keep the CPU loops from vectorising.
+  const float y = fmul(p, scale);
+  return tiny ? 0.0f : y;
+}
+
+// Natural log of a positive finite x, about 2 ulp.
+SD_HD_INLINE float log_approx(float x) {
+  int e = 0;
+  if (x < 1.17549435e-38f) {  // subnormal: scale into the normal range
+    x = fmul(x, 8388608.0f);
+    e = -23;
+  }
+  const uint32_t bits = float_to_bits(x);
+  e += static_cast<int>((bits >> 23) & 0xffu) - 127;
+  float f = bits_to_float((bits & 0x7fffffu) | 0x3f800000u);  // [1, 2)
+  if (f > 1.41421356f) {
+    f = fmul(f, 0.5f);
+    e += 1;
+  }
+  // log f = 2 atanh(s), s = (f - 1) / (f + 1), |s| < 0.172.
+  const float s = fdiv(fsub(f, 1.0f), fadd(f, 1.0f));
+  const float s2 = fmul(s, s);
+  float p = 1.0f / 11.0f;
+  p = fadd(fmul(p, s2), 1.0f / 9.0f);
+  p = fadd(fmul(p, s2), 1.0f / 7.0f);
+  p = fadd(fmul(p, s2), 1.0f / 5.0f);
+  p = fadd(fmul(p, s2), 1.0f / 3.0f);
+  p = fadd(fmul(p, s2), 1.0f);
+  return fadd(fmul(fmul(2.0f, s), p), fmul(static_cast<float>(e), 0.693147180559945f));
+}
+
+// ---- element types ---------------------------------------------------------------------------
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+SD_HD_INLINE float load_elem(const float* p, int64_t i) {
+  return p[i];
+}
+SD_HD_INLINE float load_elem(const Half* p, int64_t i) {
+  return half_to_float(p[i].bits);
+}
+SD_HD_INLINE float load_elem(const BFloat16* p, int64_t i) {
+  return bf16_to_float(p[i].bits);
+}
+
+// A target row type of element E that holds probabilities instead of logits. Making this a type
+// (not a runtime flag) keeps the exp out of the probability path's loops.
+template <class E>
+struct Prob {
+  E v;
+};
+template <class E>
+SD_HD_INLINE float load_elem(const Prob<E>* p, int64_t i) {
+  return load_elem(&p[i].v, 0);
+}
+template <class T>
+struct IsProb {
+  static constexpr bool value = false;
+};
+template <class E>
+struct IsProb<Prob<E>> {
+  static constexpr bool value = true;
+};
+
+// ---- canonical sums and inverse-CDF sampling ---------------------------------------------------
+SD_HD_INLINE int num_chunks(int64_t n) {
+  return static_cast<int>((n + kChunk - 1) / kChunk);
+}
+
+template <class F>
+SD_HD_INLINE float chunk_sum(const F& f, int64_t begin, int64_t end) {
+  float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    for (int j = 0; j < 8; ++j) lane[j] = fadd(lane[j], f(i + j));
+  }
+  for (int j = 0; i + j < end; ++j) lane[j] = fadd(lane[j], f(i + j));
+  return fadd(fadd(fadd(lane[0], lane[1]), fadd(lane[2], lane[3])),
+              fadd(fadd(lane[4], lane[5]), fadd(lane[6], lane[7])));
+}
+
+SD_HD_INLINE float sequential_total(const float* sums, int chunks) {
+  float total = 0.f;
+  for (int c = 0; c < chunks; ++c) total = fadd(total, sums[c]);
+  return total;
+}
+
+// The token whose cumulative weight first exceeds u * total, with the cumulative taken over the
+// chunk sums in order and then element by element inside the chosen chunk. Only tokens with
+// f(i) > 0 can be returned; -1 only if every chunk sum is 0 (the caller never asks then).
+template <class F>
+SD_HD_INLINE int64_t pick_by_cdf(const F& f, const float* sums, int64_t n, float total, float u) {
+  const int chunks = num_chunks(n);
+  const float target = fmul(u, total);
+  float before = 0.f;
+  int chosen = -1, last_nonzero = -1;
+  for (int c = 0; c < chunks; ++c) {
+    if (!(sums[c] > 0.f)) continue;
+    last_nonzero = c;
+    const float after = fadd(before, sums[c]);
+    if (after > target) {
+      chosen = c;
+      break;
+    }
+    before = after;
+  }
+  if (chosen < 0) {
+    // u * total rounded up to the total itself: the draw belongs to the last token with weight.
+    chosen = last_nonzero;
+    if (chosen < 0) return -1;
+    before = -kInf;
+  }
+  const float rest = fsub(target, before);
+  const int64_t begin = static_cast<int64_t>(chosen) * kChunk;
+  const int64_t end = begin + kChunk < n ? begin + kChunk : n;
+  float run = 0.f;
+  int64_t last = -1;
+  for (int64_t i = begin; i < end; ++i) {
+    const float w = f(i);
+    if (!(w > 0.f)) continue;
+    run = fadd(run, w);
+    last = i;
+    if (run > rest) return i;
+  }
+  // The element-wise running sum can round below the lane-wise chunk sum.
+  return last;
+}
+
+struct ScanResult {
+  float max;
+  int64_t argmax;
+  bool bad;
+};
+
+// ---- per-sequence parameters and the processed target row ------------------------------------
+
+struct SeqParams {
+  bool greedy;     // temperature 0
+  float inv_temp;  // 1 / temperature (logits only)
+  int64_t top_k;   // 0 = off
+  float top_p;     // 1 = off
+  uint64_t seed, offset;
+};
+
+// The sampling distribution of one target row, never materialised: w(i) = weight(raw(i)) and
+// p(i) = w(i) / total. For logits w(i) = exp(raw * inv_temp - scaled_max), so the most likely
+// token has weight 1; for probabilities w(i) = raw. Top-k keeps raw >= kth (ties at the k-th
+// value are all kept); top-p then keeps w >= wmin, the largest threshold whose kept mass is still
+// >= top_p * (mass after top-k) (ties at the threshold are all kept).
+struct RowState {
+  float max_raw;
+  int64_t argmax;
+  float scaled_max;
+  float kth;
+  float wmin;
+  float total;
+  int32_t status;
+};
+
+// The thresholds are held by value (not through a RowState pointer) so that a CPU loop over the
+// row keeps them in registers and vectorises.
+template <class T>
+struct RowWeight {
+  const T* row;
+  float inv_temp;
+  float kth;
+  float scaled_max;
+  float wmin;
+  SD_HD_INLINE float operator()(int64_t i) const {
+    // Branch-free (computed, then selected) so that CPU loops over i vectorise.
+    const float raw = load_elem(row, i);
+    float w;
+    if constexpr (IsProb<T>::value) {
+      w = raw >= kth ? raw : 0.f;
+    } else {
+      const float e = exp_approx(fsub(fmul(raw, inv_temp), scaled_max));
+      w = raw >= kth ? e : 0.f;
+    }
+    return w >= wmin ? w : 0.f;
+  }
+};
+
+template <class T>
+SD_HD_INLINE RowWeight<T> row_weight_of(const T* row, float inv_temp, const RowState& st) {
+  return RowWeight<T>{row, inv_temp, st.kth, st.scaled_max, st.wmin};
+}
+
+template <class T>
+struct RowLoad {
+  const T* row;
+  SD_HD_INLINE float operator()(int64_t i) const { return load_elem(row, i); }
+};
+
+struct BadTarget {
+  bool logits;
+  SD_HD_INLINE bool operator()(float v) const {
+    return logits ? (is_nan(v) || v == kInf) : !(v >= 0.f && v <= kFloatMax);
+  }
+};
+
+// Scans a target row, and unless only the argmax is needed (greedy), finds the top-k and top-p
+// thresholds and the total. Leaves the chunk sums of w in ex.sums(0).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Ex, class T>
+SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, const SeqParams& sp,
+                                    bool need_distribution) {
+  constexpr bool logits = !IsProb<T>::value;
+  RowState st;
+  st.max_raw = 0.f;
+  st.argmax = 0;
+  st.scaled_max = 0.f;
+  st.kth = -kInf;
+  st.wmin = 0.f;
+  st.total = 0.f;
+  st.status = 0;
+  const RowLoad<T> load{row};
+  const ScanResult r = ex.scan(n, load, BadTarget{logits});
+  if (r.bad) {
+    st.status = kNonFiniteTarget;
+    return st;
+  }
+  st.max_raw = r.max;
+  st.argmax = r.argmax;
+  if (logits ? !(r.max > -kInf) : !(r.max > 0.f)) {
+    st.status = kZeroMassTarget;
+    return st;
+  }
+  if (!need_distribution) return st;
+  if (logits) {
+    st.scaled_max = fmul(r.max, sp.inv_temp);
+    if (!is_finite(st.scaled_max)) {
+      st.status = kNonFiniteTarget;
+      return st;
+    }
+  }
+  if (sp.top_k > 0 && sp.top_k < n) st.kth = ex.kth_largest(n, load, sp.top_k);
+  float total = ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 0);
+  if (sp.top_p < 1.f) {
+    const float wanted = fmul(sp.top_p, total);
+    // mass(t) = canonical sum of {w >= t} never increases with t (rounding is monotone), so a
+    // binary search over the bit patterns of t >= 0 finds the largest t with mass(t) >= wanted.
+    uint32_t lo = 0u;
+    uint32_t hi = float_to_bits(row_weight_of(row, sp.inv_temp, st)(st.argmax));
+    while (lo < hi) {
+      const uint32_t mid = lo + (hi - lo + 1u) / 2u;
+      st.wmin = bits_to_float(mid);
+      if (ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 1) >= wanted) {
+        lo = mid;
+      } else {
+        hi = mid - 1u;
+      }
+    }
+    st.wmin = bits_to_float(lo);
+    total = ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 0);
+  }
+  st.total = total;
+  if (!(total > 0.f)) st.status = kZeroMassTarget;
+  return st;
+}
+
+// ---- recursive rejection sampling over siblings sampled from q (without replacement) ----------
+// Level 0 is (p, q). After rejecting the token x_l at level l:
+//   p_{l+1} = max(p_l - q_l, 0) / beta_l,  beta_l = sum max(p_l - q_l, 0)
+//   q_{l+1} = q_l without x_l, renormalised: q(y) / (1 - sum of q over the tried tokens)
+// Given a rejection, p_l(x_l) <= q_l(x_l), so p_{l+1} has no mass on tried tokens either.
+struct SiblingLevels {
+  int levels;
+  int32_t tried[kMaxSiblings];
+  float beta[kMaxSiblings];
+  float q_scale[kMaxSiblings + 1];  // 1 / (1 - tried q mass) at each level, 0 if none left
+  float tried_q;
+};
+
+// (p_L(y), q_L(y)) at level L = levels.levels from w(y), q(y) of token y.
+SD_HD_INLINE void level_pq(const SiblingLevels& lv, float w, float q, int64_t y, float inv_total,
+                           float* p_out, float* q_out) {
+  float p = fmul(w, inv_total);
+  bool removed = false;
+  for (int l = 0; l < lv.levels; ++l) {
+    const float ql = removed ? 0.f : fmul(q, lv.q_scale[l]);
+    const float d = fsub(p, ql);
+    p = d > 0.f ? fdiv(d, lv.beta[l]) : 0.f;
+    if (y == lv.tried[l]) removed = true;
+  }
+  *p_out = p;
+  *q_out = removed ? 0.f : fmul(q, lv.q_scale[lv.levels]);
+}
+
+SD_HD_INLINE bool bad_prob(float q) {
+  return !(q >= 0.f && q <= kFloatMax);
+}
+
+// max(p_L - q_L, 0) of token y; NaN when q(y) is not a probability, which poisons the sum.
+template <class T, class Q>
+struct ResidualWeight {
+  RowWeight<T> weight;
+  const Q* qrow;
+  const SiblingLevels* lv;
+  float inv_total;
+  SD_HD_INLINE float operator()(int64_t i) const {
+    const float q = load_elem(qrow, i);
+    if (bad_prob(q)) return bits_to_float(0x7fc00000u);  // quiet NaN
+    float p, ql;
+    level_pq(*lv, weight(i), q, i, inv_total, &p, &ql);
+    const float d = fsub(p, ql);
+    return d > 0.f ? d : 0.f;
+  }
+};
+
+// The same at level 0 (every chain, and the first child of a tree node): branch-free, so that a
+// CPU loop over the row vectorises. Bit-identical to ResidualWeight with levels == 0.
+template <class T, class Q>
+struct FirstResidualWeight {
+  RowWeight<T> weight;
+  const Q* qrow;
+  float inv_total;
+  SD_HD_INLINE float operator()(int64_t i) const {
+    const float q = load_elem(qrow, i);
+    const float d = fsub(fmul(weight(i), inv_total), fmul(q, 1.f));
+    const float r = d > 0.f ? d : 0.f;
+    return bad_prob(q) ? bits_to_float(0x7fc00000u) : r;
+  }
+};
+
+// p_L itself (the fallback when the residual has no mass left).
+template <class T, class Q>
+struct LevelWeight {
+  RowWeight<T> weight;
+  const Q* qrow;
+  const SiblingLevels* lv;
+  float inv_total;
+  SD_HD_INLINE float operator()(int64_t i) const {
+    float p, ql;
+    level_pq(*lv, weight(i), load_elem(qrow, i), i, inv_total, &p, &ql);
+    return p;
+  }
+};
+
+// w with the given tokens removed (deterministic siblings already tried).
+template <class T>
+struct MaskedWeight {
+  RowWeight<T> weight;
+  const int32_t* removed;
+  int count;
+  SD_HD_INLINE float operator()(int64_t i) const {
+    for (int k = 0; k < count; ++k) {
+      if (removed[k] == i) return 0.f;
+    }
+    return weight(i);
+  }
+};
+
+template <class T>
+struct EntropyTerm {
+  RowWeight<T> weight;
+  SD_HD_INLINE float operator()(int64_t i) const {
+    const float w = weight(i);
+    return w > 0.f ? fmul(w, log_approx(w)) : 0.f;
+  }
+};
+
+template <class T>
+struct HeavierThan {
+  RowWeight<T> weight;
+  float than;
+  SD_HD_INLINE bool operator()(int64_t i) const { return weight(i) > than; }
+};
+
+// ---- the walk ---------------------------------------------------------------------------------
+
+struct VerifyArgs {
+  const void* target;        // [B, N, V] logits or probabilities
+  const void* draft;         // [B, N, V] or null
+  const int32_t* tokens;     // [B, N]
+  const int32_t* parents;    // [B, N] or null (chains)
+  const int32_t* num_nodes;  // [B] or null
+  const uint8_t* allow;      // [B, N] or null
+  const float* temperature;  // [B]
+  const int32_t* top_k;      // [B]
+  const float* top_p;        // [B]
+  const int64_t* seed;       // [B]
+  const int64_t* offset;     // [B]
+  int64_t batch;
+  int n;
+  int64_t vocab;
+  int max_depth;
+  bool logits;
+  int32_t method;
+  float eps;
+  float alpha;
+  int32_t topk_accept;
+  bool correction_from_target;  // relaxed: correction from p instead of norm(max(p - q, 0))
+  int32_t* emitted;             // [B, max_depth + 1]
+  int32_t* num_emitted;         // [B]
+  int32_t* path;                // [B, max_depth + 1]
+  int32_t* status;              // [B]
+  int32_t* num_accepted;        // [B]
+};
+
+// The next child of `node` after node `after` (-1: the first), or -1. Children are tried in
+// ascending node order.
+SD_HD_INLINE int next_child(const int32_t* parents, int node, int after, int count) {
+  if (!parents) return (after < 0 && node + 1 < count) ? node + 1 : -1;
+  for (int c = after < 0 ? node + 1 : after + 1; c < count; ++c) {
+    if (parents[c] == node) return c;
+  }
+  return -1;
+}
+
+SD_HD_INLINE float draw_uniform(const SeqParams& sp, int node, RandPurpose purpose) {
+  return uniform_from_bits(
+      philox_draw(sp.seed, sp.offset, static_cast<uint32_t>(node), purpose, 0).v[0]);
+}
+
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Ex, class T>
+SD_HOST_DEVICE int64_t sample_from(Ex& ex, const T& f, int which, float total, int64_t n,
+                                   const SeqParams& sp, int node) {
+  return pick_by_cdf(f, ex.sums(which), n, total, draw_uniform(sp, node, RandPurpose::kSample));
+}
+
+// Verifies sequence b. Every thread of a GPU block runs this with identical control flow (all
+// decisions come from collectives whose results every thread sees); only the leader writes.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Ex, class T, class Q>
+SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
+  const int n = a.n;
+  const int64_t vocab = a.vocab;
+  const int width = a.max_depth + 1;
+  int32_t* emitted = a.emitted + b * width;
+  int32_t* path = a.path + b * width;
+  if (ex.leader()) {
+    for (int i = 0; i < width; ++i) emitted[i] = path[i] = kPad;
+  }
+  int32_t status = 0;
+  int count = n;
+  const int32_t* parents = a.parents ? a.parents + b * n : nullptr;
+  if (parents) {
+    int bad = 0;
+    if (validate_tree_row(parents, n, &count, &bad) != TreeError::kOk) status |= kBadTree;
+  }
+  if (a.num_nodes && status == 0) {
+    const int32_t given = a.num_nodes[b];
+    if (given < 1 || given > count) {
+      status |= kBadTree;
+    } else {
+      count = given;
+    }
+  }
+  const int32_t* tokens = a.tokens + b * n;
+  if (status == 0) {
+    for (int i = 1; i < count; ++i) {
+      if (tokens[i] < 0 || tokens[i] >= vocab) {
+        status |= kBadToken;
+        break;
+      }
+    }
+  }
+  const uint8_t* allow = a.allow ? a.allow + b * n : nullptr;
+  const T* target = static_cast<const T*>(a.target);
+  const Q* draft = static_cast<const Q*>(a.draft);
+
+  SeqParams sp;
+  const float temp = a.temperature[b];
+  sp.greedy = !(temp > 0.f);
+  sp.inv_temp = sp.greedy ? 1.f : fdiv(1.f, temp);
+  sp.top_k = a.top_k[b];
+  sp.top_p = a.top_p[b];
+  sp.seed = static_cast<uint64_t>(a.seed[b]);
+  sp.offset = static_cast<uint64_t>(a.offset[b]);
+  const bool greedy = a.method == kGreedy || sp.greedy;
+
+  int accepted_count = 0;
+  int32_t final_token = kPad;
+  int node = 0;
+  if (status == 0 && ex.leader()) path[0] = 0;
+  while (status == 0) {
+    const int64_t row_index = b * n + node;
+    const T* trow = target + row_index * vocab;
+    const RowState st = prepare_row(ex, trow, vocab, sp, !greedy);
+    if (st.status) {
+      status |= st.status;
+      break;
+    }
+    const int first = next_child(parents, node, -1, count);
+    if (first >= 0 && accepted_count + 1 > a.max_depth) {
+      status |= kDepthOverflow;
+      break;
+    }
+    const RowWeight<T> weight = row_weight_of(trow, sp.inv_temp, st);
+    int accepted = -1;
+
+    if (greedy) {
+      for (int c = first; c >= 0; c = next_child(parents, node, c, count)) {
+        if ((allow && allow[c]) || tokens[c] == st.argmax) {
+          accepted = c;
+          break;
+        }
+      }
+      if (accepted < 0) final_token = static_cast<int32_t>(st.argmax);
+    } else if (first < 0) {
+      // A leaf: the bonus token from the target row.
+      final_token = static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));
+    } else if (a.method == kTypical || a.method == kTopKAccept) {
+      float threshold = 0.f;
+      if (a.method == kTypical) {
+        // H = log Z - sum(w log w) / Z; accept p(x) > min(eps, alpha * exp(-H)).
+        const float s = ex.chunk_sums(vocab, EntropyTerm<T>{weight}, 1);
+        const float entropy = fsub(log_approx(st.total), fdiv(s, st.total));
+        const float typical = fmul(a.alpha, exp_approx(-entropy));
+        threshold = a.eps < typical ? a.eps : typical;
+      }
+      for (int c = first; c >= 0; c = next_child(parents, node, c, count)) {
+        if (allow && allow[c]) {
+          accepted = c;
+          break;
+        }
+        const float wx = weight(tokens[c]);
+        bool ok;
+        if (a.method == kTypical) {
+          ok = fdiv(wx, st.total) > threshold;
+        } else {
+          ok = wx > 0.f && ex.count_if(vocab, HeavierThan<T>{weight, wx}) < a.topk_accept;
+        }
+        if (ok) {
+          accepted = c;
+          break;
+        }
+      }
+      if (accepted < 0) {
+        final_token = static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));
+      }
+    } else if (draft) {
+      // Exact / relaxed with siblings sampled from q = draft[b, node] without replacement.
+      const Q* qrow = draft + row_index * vocab;
+      const float inv_total = fdiv(1.f, st.total);
+      SiblingLevels lv;
+      lv.levels = 0;
+      lv.q_scale[0] = 1.f;
+      lv.tried_q = 0.f;
+      bool residual_empty = false;
+      for (int c = first; c >= 0; c = next_child(parents, node, c, count)) {
+        if (allow && allow[c]) {
+          accepted = c;
+          break;
+        }
+        if (lv.levels == kMaxSiblings) {
+          status |= kTooManySiblings;
+          break;
+        }
+        const int32_t x = tokens[c];
+        const float qraw = load_elem(qrow, x);
+        if (bad_prob(qraw)) {
+          status |= kBadDraftRow;
+          break;
+        }
+        float px, qx;
+        level_pq(lv, weight(x), qraw, x, inv_total, &px, &qx);
+        // u * q < p handles q(x) = 0 (accept iff p(x) > 0) and p(x) = 0 (always reject).
+        const float u = draw_uniform(sp, c, RandPurpose::kAccept);
+        const float bound = a.method == kRelaxed ? fadd(px, fmul(a.eps, qx)) : px;
+        if (fmul(u, qx) < bound) {
+          accepted = c;
+          break;
+        }
+        const float beta =
+            lv.levels == 0
+                ? ex.chunk_sums(vocab, FirstResidualWeight<T, Q>{weight, qrow, inv_total}, 1)
+                : ex.chunk_sums(vocab, ResidualWeight<T, Q>{weight, qrow, &lv, inv_total}, 1);
+        if (is_nan(beta)) {
+          status |= kBadDraftRow;
+          break;
+        }
+        if (!(beta > 0.f)) {
+          // p_L <= q_L everywhere yet x was rejected (rounding): nothing is left to move, so the
+          // correction comes from p_L itself.
+          residual_empty = true;
+          break;
+        }
+        bool seen = false;
+        for (int l = 0; l < lv.levels; ++l) seen = seen || lv.tried[l] == x;
+        if (!seen) lv.tried_q = fadd(lv.tried_q, qraw);
+        lv.tried[lv.levels] = x;
+        lv.beta[lv.levels] = beta;
+        const float left = fsub(1.f, lv.tried_q);
+        lv.q_scale[lv.levels + 1] = left > 0.f ? fdiv(1.f, left) : 0.f;
+        ++lv.levels;
+      }
+      if (status != 0) break;
+      if (accepted < 0) {
+        if (a.method == kRelaxed && a.correction_from_target) {
+          final_token = static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));
+        } else if (residual_empty) {
+          const LevelWeight<T, Q> level{weight, qrow, &lv, inv_total};
+          const float total = ex.chunk_sums(vocab, level, 1);
+          final_token = static_cast<int32_t>(sample_from(ex, level, 1, total, vocab, sp, node));
+        } else {
+          // sums(1) holds the chunk sums of the last level's residual; rebuild its weight with
+          // the levels as they were when those sums were taken.
+          const float beta = lv.beta[lv.levels - 1];
+          if (lv.levels == 1) {
+            const FirstResidualWeight<T, Q> residual{weight, qrow, inv_total};
+            final_token = static_cast<int32_t>(sample_from(ex, residual, 1, beta, vocab, sp, node));
+          } else {
+            SiblingLevels last = lv;
+            --last.levels;
+            const ResidualWeight<T, Q> residual{weight, qrow, &last, inv_total};
+            final_token = static_cast<int32_t>(sample_from(ex, residual, 1, beta, vocab, sp, node));
+          }
+        }
+      }
+    } else {
+      // Exact / relaxed with deterministic children (no q): accept c with
+      // p(c) / (1 - p(tried)) (+ eps for relaxed); the residual is p without the tried tokens.
+      int32_t tried[kMaxSiblings];
+      int num_tried = 0;
+      float tried_w = 0.f;
+      for (int c = first; c >= 0; c = next_child(parents, node, c, count)) {
+        if (allow && allow[c]) {
+          accepted = c;
+          break;
+        }
+        if (num_tried == kMaxSiblings) {
+          status |= kTooManySiblings;
+          break;
+        }
+        const int32_t x = tokens[c];
+        bool seen = false;
+        for (int k = 0; k < num_tried; ++k) seen = seen || tried[k] == x;
+        const float wx = seen ? 0.f : weight(x);
+        const float left_raw = fsub(st.total, tried_w);
+        const float left = left_raw > 0.f ? left_raw : 0.f;
+        const float u = draw_uniform(sp, c, RandPurpose::kAccept);
+        const float bound = a.method == kRelaxed ? fadd(wx, fmul(a.eps, left)) : wx;
+        if (fmul(u, left) < bound) {
+          accepted = c;
+          break;
+        }
+        if (!seen) {
+          tried[num_tried++] = x;
+          tried_w = fadd(tried_w, wx);
+        }
+      }
+      if (status != 0) break;
+      if (accepted < 0) {
+        if ((a.method == kRelaxed && a.correction_from_target) || num_tried == 0) {
+          final_token = static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));
+        } else {
+          const MaskedWeight<T> masked{weight, tried, num_tried};
+          float total = ex.chunk_sums(vocab, masked, 1);
+          if (total > 0.f) {
+            final_token = static_cast<int32_t>(sample_from(ex, masked, 1, total, vocab, sp, node));
+          } else {
+            // The tried tokens held all the mass (only by rounding, as one would have been
+            // accepted): fall back to the full row.
+            final_token =
+                static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));
+          }
+        }
+      }
+    }
+
+    if (accepted >= 0) {
+      if (ex.leader()) {
+        emitted[accepted_count] = tokens[accepted];
+        path[accepted_count + 1] = accepted;
+      }
+      ++accepted_count;
+      node = accepted;
+      continue;
+    }
+    break;
+  }
+  if (ex.leader()) {
+    const bool has_final = final_token >= 0 && (status & (kBadTree | kBadToken)) == 0;
+    if (has_final) emitted[accepted_count] = final_token;
+    if (status & (kBadTree | kBadToken)) accepted_count = 0;
+    a.num_emitted[b] = accepted_count + (has_final ? 1 : 0);
+    a.num_accepted[b] = accepted_count;
+    a.status[b] = status;
+  }
+}
+
+}  // namespace verify
+}  // namespace sd

@@ -1,0 +1,20 @@
+// Batched verification on the CPU. See src/specdecode/verify.h for the semantics and
+// python/specdecode/_ops/verify.py for the documented API.
+#pragma once
+
+#include <cstdint>
+
+#include "specdecode/verify.h"
+
+namespace sd {
+namespace cpu {
+
+// Element type codes of the target / draft rows.
+enum class VerifyDType : int32_t { kNone = -1, kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Verifies every sequence of `args` (threaded over the batch; results do not depend on the
+// number of threads).
+void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draft);
+
+}  // namespace cpu
+}  // namespace sd

@@ -1,0 +1,760 @@
+"""Tests of specdecode.ops.verify and specdecode.ops.sample.
+
+The statistical tests draw about 1e5 - 3e5 outcomes per case through the native op in one batched
+call (every row its own seed) and compare the counts with the exact law by a G-test. The
+significance level of each test is a family-wise 1e-3 split over all of them (Bonferroni), so a
+correct implementation fails a run with probability below 1e-3.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import specdecode
+from specdecode import _C, ops
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference_verify import outcome_distribution, processed_probs  # noqa: E402
+
+NUM_STAT_TESTS = 30
+ALPHA = 1e-3 / NUM_STAT_TESTS
+
+
+def g_test(counts: dict, probs: dict, what: str) -> None:
+    """G-test of observed counts against exact probabilities (cells with E < 5 pooled)."""
+    total = sum(counts.values())
+    impossible = [k for k in counts if probs.get(k, 0.0) <= 0.0]
+    assert not impossible, f"{what}: outcomes of probability 0 were observed: {impossible[:5]}"
+    keys = sorted(probs, key=lambda k: -probs[k])
+    obs, exp = [], []
+    pool_o, pool_e = 0.0, 0.0
+    for k in keys:
+        e = probs[k] * total
+        if e < 5:
+            pool_o += counts.get(k, 0)
+            pool_e += e
+        else:
+            obs.append(counts.get(k, 0))
+            exp.append(e)
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    obs_a, exp_a = np.array(obs, float), np.array(exp, float)
+    mask = obs_a > 0
+    g = 2.0 * float(np.sum(obs_a[mask] * np.log(obs_a[mask] / exp_a[mask])))
+    df = max(len(obs) - 1, 1)
+    p_value = stats.chi2.sf(g, df)
+    assert p_value > ALPHA, f"{what}: G = {g:.1f}, df = {df}, p = {p_value:.2e} < {ALPHA:.1e}"
+
+
+def count(values) -> dict:
+    out: dict = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def hist(tokens: torch.Tensor, v: int) -> dict:
+    c = torch.bincount(tokens.long().flatten(), minlength=v).tolist()
+    return {i: n for i, n in enumerate(c) if n}
+
+
+def rand_dist(gen: torch.Generator, *shape: int, zeros: int = 0) -> torch.Tensor:
+    """Random distributions over the last dim (Dirichlet-like), `zeros` entries forced to 0."""
+    x = -torch.log(torch.rand(*shape, generator=gen, dtype=torch.float64))
+    x = x**1.5
+    if zeros:
+        idx = torch.rand(*shape, generator=gen).argsort(-1)[..., :zeros]
+        x.scatter_(-1, idx, 0.0)
+    return x / x.sum(-1, keepdim=True)
+
+
+def seeds(b: int, base: int = 0) -> torch.Tensor:
+    return torch.arange(base, base + b, dtype=torch.int64)
+
+
+# ---- RNG ---------------------------------------------------------------------------------------
+
+
+def test_philox_known_answers():
+    # Known-answer vectors of Random123 for philox4x32_10.
+    counter = np.array(
+        [[0, 0, 0, 0], [0xFFFFFFFF] * 4, [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344]],
+        dtype=np.uint32,
+    )
+    key = np.array([[0, 0], [0xFFFFFFFF] * 2, [0xA4093822, 0x299F31D0]], dtype=np.uint32)
+    out = np.zeros((3, 4), dtype=np.uint32)
+    _C.philox4x32_10(counter, key, out)
+    expected = [
+        [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8],
+        [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD],
+        [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1],
+    ]
+    assert out.tolist() == expected
+
+
+# ---- sample ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.9, 12, 0.9)],
+)
+def test_sample_matches_processed_distribution(temperature, top_k, top_p):
+    gen = torch.Generator().manual_seed(1)
+    v, b = 24, 200_000
+    logits = torch.randn(v, generator=gen) * 2
+    logits[3] = -math.inf  # a token of probability 0
+    res = ops.sample(
+        logits.expand(b, v).contiguous(), temperature, top_k, top_p, seed=seeds(b), offset=7
+    )
+    assert int(res.status.abs().sum()) == 0
+    p = processed_probs(logits, temperature, top_k, top_p)
+    g_test(hist(res.tokens, v), dict(enumerate(p.tolist())), f"sample T={temperature}")
+
+
+def test_sample_probability_inputs_and_greedy():
+    gen = torch.Generator().manual_seed(2)
+    v, b = 16, 100_000
+    probs = rand_dist(gen, v, zeros=4).float()
+    res = ops.sample(
+        probs.expand(b, v).contiguous(), seed=seeds(b), offset=0, target_is_logits=False
+    )
+    g_test(
+        hist(res.tokens, v),
+        dict(enumerate(processed_probs(probs, logits=False).tolist())),
+        "sample probs",
+    )
+    logits = torch.randn(5, 1000, generator=gen)
+    greedy = ops.sample(logits, 0.0, seed=0, offset=0).tokens
+    assert torch.equal(greedy.long(), logits.argmax(-1))
+
+
+# ---- exact: losslessness -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("with_q", [True, False])
+def test_chain_first_token_is_target_distributed(k, with_q):
+    gen = torch.Generator().manual_seed(10 + k)
+    v, b = 12, 200_000
+    p = rand_dist(gen, k + 1, v, zeros=2)
+    q = rand_dist(gen, k + 1, v, zeros=3)
+    tokens = torch.zeros(b, k + 1, dtype=torch.int64)
+    if with_q:
+        for i in range(k):
+            tokens[:, i + 1] = torch.multinomial(q[i].expand(b, v), 1, generator=gen)[:, 0]
+        draft = q.float().expand(b, k + 1, v).contiguous()
+    else:
+        # Deterministic drafts: the draft's argmax, or a fixed arbitrary token.
+        tokens[:, 1:] = torch.randint(0, v, (b, k), generator=gen)
+        draft = None
+    target = torch.log(p).float().expand(b, k + 1, v).contiguous()
+    res = ops.verify(target, tokens, draft_probs=draft, seed=seeds(b), offset=3)
+    assert int(res.status.abs().sum()) == 0
+    first = res.emitted[:, 0]
+    g_test(hist(first, v), dict(enumerate(p[0].tolist())), f"chain k={k} q={with_q}")
+    if with_q:
+        # Mean accepted = sum over positions j of prod_{i<=j} alpha_i, alpha = sum min(p, q).
+        alpha = torch.minimum(p, q).sum(-1)[:k]
+        theory = float(torch.cumprod(alpha, 0).sum())
+        mean = float(res.num_accepted.double().mean())
+        assert abs(mean - theory) < 6 * k / math.sqrt(b), (mean, theory)
+
+
+def markov_tables(gen: torch.Generator, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    p = rand_dist(gen, v, v, zeros=2)
+    q = rand_dist(gen, v, v, zeros=2)
+    # The draft must be able to propose what the target likes, at least sometimes.
+    q = 0.7 * q + 0.3 * p
+    return p, q
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_joint_of_three_emitted_tokens_with_context(shape):
+    """Several verify steps per row; the first three generated tokens must follow the target's
+    Markov chain p(x1|x0) p(x2|x1) p(x3|x2) exactly, with context-dependent p and q."""
+    gen = torch.Generator().manual_seed(20)
+    v, b, want = 6, 300_000, 3
+    p_tab, q_tab = markov_tables(gen, v)
+    if shape == "chain":
+        parents = None
+        n = 3
+    else:
+        # Root with two children sampled from q without replacement, each with one child.
+        parents = torch.tensor([-1, 0, 0, 1, 2], dtype=torch.int32).expand(b, 5).contiguous()
+        n = 5
+    out = torch.full((b, want + n), -1, dtype=torch.int64)
+    filled = torch.zeros(b, dtype=torch.int64)
+    ctx = torch.zeros(b, dtype=torch.int64)
+    rows = torch.arange(b)
+    for step in range(want):
+        tokens = torch.zeros(b, n, dtype=torch.int64)
+        tokens[:, 0] = ctx
+        if shape == "chain":
+            for i in range(1, n):
+                tokens[:, i] = torch.multinomial(q_tab[tokens[:, i - 1]], 1, generator=gen)[:, 0]
+        else:
+            pair = torch.multinomial(q_tab[ctx], 2, replacement=False, generator=gen)
+            tokens[:, 1:3] = pair
+            for i in (3, 4):
+                parent = tokens[:, i - 2]
+                tokens[:, i] = torch.multinomial(q_tab[parent], 1, generator=gen)[:, 0]
+        target = torch.log(p_tab[tokens]).float()
+        draft = q_tab[tokens].float()
+        res = ops.verify(
+            target, tokens, parents=parents, draft_probs=draft, seed=seeds(b, step * b), offset=step
+        )
+        m = res.num_emitted.long()
+        for j in range(res.emitted.shape[1]):
+            take = (j < m) & (filled + j < out.shape[1])
+            out[rows[take], (filled + j)[take]] = res.emitted[take, j].long()
+        last = res.emitted.long().gather(1, (m - 1).unsqueeze(1)).squeeze(1)
+        filled += m
+        ctx = last
+    assert bool((filled >= want).all())
+    codes = (out[:, 0] * v + out[:, 1]) * v + out[:, 2]
+    counts = hist(codes, v**3)
+    probs = {}
+    for a in range(v):
+        for c in range(v):
+            for d in range(v):
+                pr = float(p_tab[0, a] * p_tab[a, c] * p_tab[c, d])
+                if pr > 0:
+                    probs[(a * v + c) * v + d] = pr
+    g_test(counts, probs, f"joint of 3 tokens ({shape})")
+
+
+TREES = {
+    "siblings3": [-1, 0, 0, 0],
+    "wide_deep": [-1, 0, 0, 1, 1, 2, 3],
+    "chain_with_branch": [-1, 0, 1, 1, 2, 3],
+}
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+@pytest.mark.parametrize("with_q", [True, False])
+def test_tree_outcomes_match_enumeration(tree, with_q):
+    """The law of (accepted path, final token) for fixed draft tokens equals the enumeration."""
+    gen = torch.Generator().manual_seed(30 + len(TREES[tree]))
+    parents_list = TREES[tree]
+    n, v, b = len(parents_list), 8, 200_000
+    p = rand_dist(gen, n, v, zeros=1)
+    q = rand_dist(gen, n, v, zeros=1)
+    # Distinct sibling tokens (as sampling without replacement gives), and one duplicate-free
+    # token of probability 0 under p somewhere to exercise the rejections.
+    tokens = [0]
+    for i in range(1, n):
+        parent = parents_list[i]
+        used = {tokens[j] for j in range(1, i) if parents_list[j] == parent}
+        choices = [t for t in range(v) if t not in used and (not with_q or q[parent, t] > 0)]
+        tokens.append(choices[int(torch.randint(0, len(choices), (1,), generator=gen))])
+    target = torch.log(p).float().expand(b, n, v).contiguous()
+    draft = q.float().expand(b, n, v).contiguous() if with_q else None
+    parents = torch.tensor(parents_list, dtype=torch.int32).expand(b, n).contiguous()
+    tok = torch.tensor(tokens, dtype=torch.int32).expand(b, n).contiguous()
+    res = ops.verify(target, tok, parents=parents, draft_probs=draft, seed=seeds(b), offset=11)
+    assert int(res.status.abs().sum()) == 0
+    law = outcome_distribution(p, tokens, parents=parents_list, q_rows=q if with_q else None)
+    assert abs(sum(law.values()) - 1) < 1e-9
+    paths = res.path.tolist()
+    acc = res.num_accepted.tolist()
+    fin = res.emitted.gather(1, res.num_accepted.long().unsqueeze(1)).squeeze(1).tolist()
+    outcomes = count((tuple(paths[r][1 : acc[r] + 1]), fin[r]) for r in range(b))
+    g_test(outcomes, law, f"tree {tree} q={with_q}")
+
+
+def test_tree_siblings_first_token_lossless():
+    """Siblings sampled from q without replacement; first emitted token ~ p."""
+    gen = torch.Generator().manual_seed(40)
+    v, b, m = 10, 200_000, 3
+    p = rand_dist(gen, m + 1, v, zeros=2)
+    q = rand_dist(gen, m + 1, v)
+    tokens = torch.zeros(b, m + 1, dtype=torch.int64)
+    tokens[:, 1:] = torch.multinomial(q[0].expand(b, v), m, replacement=False, generator=gen)
+    parents = torch.tensor([-1] + [0] * m, dtype=torch.int32).expand(b, m + 1).contiguous()
+    res = ops.verify(
+        torch.log(p).float().expand(b, m + 1, v).contiguous(),
+        tokens,
+        parents=parents,
+        draft_probs=q.float().expand(b, m + 1, v).contiguous(),
+        seed=seeds(b),
+        offset=5,
+    )
+    g_test(hist(res.emitted[:, 0], v), dict(enumerate(p[0].tolist())), "siblings first token")
+
+
+# ---- lossy modes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("correction", ["residual", "target"])
+def test_relaxed_acceptance_and_total_variation(correction):
+    gen = torch.Generator().manual_seed(50)
+    v, b, eps = 10, 200_000, 0.2
+    p = rand_dist(gen, 2, v, zeros=2)
+    q = rand_dist(gen, 2, v)
+    tokens = torch.zeros(b, 2, dtype=torch.int64)
+    tokens[:, 1] = torch.multinomial(q[0].expand(b, v), 1, generator=gen)[:, 0]
+    res = ops.verify(
+        torch.log(p).float().expand(b, 2, v).contiguous(),
+        tokens,
+        draft_probs=q.float().expand(b, 2, v).contiguous(),
+        seed=seeds(b),
+        offset=0,
+        method="relaxed",
+        eps=eps,
+        correction=correction,
+    )
+    p0, q0 = p[0], q[0]
+    accepted_mass = torch.minimum(q0, p0 + eps * q0)  # P(accept and emit y)
+    rate = float(accepted_mass.sum())
+    measured = float(res.num_accepted.double().mean())
+    assert abs(measured - rate) < 6 * 0.5 / math.sqrt(b), (measured, rate)
+    reject = 1 - rate
+    corr = torch.clamp(p0 - q0, min=0) if correction == "residual" else p0
+    law = accepted_mass + reject * corr / corr.sum()
+    g_test(hist(res.emitted[:, 0], v), dict(enumerate(law.tolist())), f"relaxed {correction}")
+    tv = 0.5 * float((law - p0).abs().sum())
+    if correction == "residual":
+        # Decoding-OPT: the loss is only the irreducible over-acceptance.
+        assert tv == pytest.approx(float(torch.clamp(accepted_mass - p0, min=0).sum()), abs=1e-9)
+    empirical = torch.bincount(res.emitted[:, 0].long(), minlength=v).double() / b
+    assert abs(0.5 * float((empirical - p0).abs().sum()) - tv) < 0.01
+
+
+def test_relaxed_outcomes_match_enumeration_on_a_tree():
+    gen = torch.Generator().manual_seed(51)
+    parents_list = [-1, 0, 0, 1]
+    n, v, b = 4, 8, 150_000
+    p = rand_dist(gen, n, v)
+    q = rand_dist(gen, n, v)
+    tokens = [0, 2, 5, 1]
+    res = ops.verify(
+        torch.log(p).float().expand(b, n, v).contiguous(),
+        torch.tensor(tokens).expand(b, n).contiguous(),
+        parents=torch.tensor(parents_list, dtype=torch.int32).expand(b, n).contiguous(),
+        draft_probs=q.float().expand(b, n, v).contiguous(),
+        seed=seeds(b),
+        offset=2,
+        method="relaxed",
+        eps=0.1,
+    )
+    law = outcome_distribution(p, tokens, parents=parents_list, q_rows=q, method="relaxed", eps=0.1)
+    acc = res.num_accepted.tolist()
+    paths = res.path.tolist()
+    fin = res.emitted.gather(1, res.num_accepted.long().unsqueeze(1)).squeeze(1).tolist()
+    g_test(count((tuple(paths[r][1 : acc[r] + 1]), fin[r]) for r in range(b)), law, "relaxed tree")
+
+
+def test_typical_acceptance_rule():
+    gen = torch.Generator().manual_seed(60)
+    b, n, v = 400, 4, 50
+    logits = torch.randn(b, n, v, generator=gen) * 3
+    tokens = torch.randint(0, v, (b, n), generator=gen)
+    eps, alpha = 0.09, 0.3
+    res = ops.verify(
+        logits,
+        tokens,
+        seed=seeds(b),
+        offset=0,
+        method="typical",
+        eps=eps,
+        alpha=alpha,
+        temperature=0.8,
+    )
+    p = processed_probs(logits, 0.8)
+    h = -(p * torch.log(torch.where(p > 0, p, 1))).sum(-1)
+    thr = torch.minimum(torch.full_like(h, eps), alpha * torch.exp(-h))
+    ok = p.gather(-1, tokens[:, 1:].unsqueeze(-1).long()).squeeze(-1) > thr[:, :-1]
+    expected = torch.cumprod(ok.int(), 1).sum(1)
+    # Probabilities within float rounding of the threshold may go either way.
+    margin = (p.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1) - thr[:, :-1]).abs()
+    close = (margin < 1e-5).any(1)
+    assert torch.equal(res.num_accepted[~close].long(), expected[~close].long())
+
+
+def test_topk_accept_rule():
+    gen = torch.Generator().manual_seed(61)
+    b, n, v, k = 400, 5, 40, 3
+    logits = torch.randn(b, n, v, generator=gen)
+    tokens = torch.randint(0, v, (b, n), generator=gen)
+    tokens[:, 1:] = torch.where(
+        torch.rand(b, n - 1, generator=gen) < 0.5,
+        logits[:, :-1].topk(k, -1).indices[..., 0],
+        tokens[:, 1:],
+    )
+    res = ops.verify(logits, tokens, seed=seeds(b), offset=0, method="topk_accept", topk_accept=k)
+    rank = (logits[:, :-1] > logits[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1))).sum(-1)
+    expected = torch.cumprod((rank < k).int(), 1).sum(1)
+    assert torch.equal(res.num_accepted.long(), expected.long())
+    ok = res.emitted[:, : n - 1] == tokens[:, 1:]
+    assert bool(ok[torch.arange(n - 1) < res.num_accepted.unsqueeze(1)].all())
+
+
+def test_allow_accepts_regardless():
+    gen = torch.Generator().manual_seed(62)
+    b, n, v = 64, 5, 30
+    logits = torch.randn(b, n, v, generator=gen)
+    logits[:, :, 7] = -math.inf
+    tokens = torch.full((b, n), 7)
+    allow = torch.zeros(b, n, dtype=torch.bool)
+    allow[:, 1:3] = True
+    res = ops.verify(logits, tokens, allow=allow, seed=seeds(b), offset=0)
+    assert bool((res.num_accepted == 2).all())
+    assert bool((res.emitted[:, :2] == 7).all()) and bool((res.emitted[:, 2] != 7).all())
+
+
+# ---- greedy ------------------------------------------------------------------------------------
+
+
+def greedy_walk(logits: torch.Tensor, tokens: list[int], parents: list[int]) -> list[int]:
+    out, node = [], 0
+    while True:
+        a = int(torch.argmax(logits[node]))
+        kids = [c for c in range(node + 1, len(parents)) if parents[c] == node]
+        nxt = next((c for c in kids if tokens[c] == a), None)
+        out.append(a)
+        if nxt is None:
+            return out
+        node = nxt
+
+
+def test_greedy_equals_argmax_walk():
+    gen = torch.Generator().manual_seed(70)
+    b, n, v = 300, 12, 6
+    parents = torch.zeros(b, n, dtype=torch.int32)
+    parents[:, 0] = -1
+    for i in range(1, n):
+        parents[:, i] = torch.randint(0, i, (b,), generator=gen)
+    logits = torch.randn(b, n, v, generator=gen)
+    tokens = torch.randint(0, v, (b, n), generator=gen)
+    for method, temp in (("greedy", 1.0), ("exact", 0.0)):
+        res = ops.verify(
+            logits, tokens, parents=parents, seed=0, offset=0, method=method, temperature=temp
+        )
+        for r in range(b):
+            want = greedy_walk(logits[r], tokens[r].tolist(), parents[r].tolist())
+            got = res.emitted[r, : res.num_emitted[r]].tolist()
+            assert got == want, (method, r)
+
+
+# ---- edge cases, determinism -------------------------------------------------------------------
+
+
+def test_zero_probabilities_never_emitted_and_p_zero_rejects():
+    gen = torch.Generator().manual_seed(80)
+    b, n, v = 20_000, 3, 16
+    logits = torch.randn(b, n, v, generator=gen)
+    logits[:, :, :8] = -math.inf
+    tokens = torch.randint(0, 8, (b, n), generator=gen)  # drafts the target never emits
+    q = torch.zeros(b, n, v)
+    q.scatter_(2, tokens.roll(-1, 1).unsqueeze(-1), 1.0)
+    for draft in (None, q):
+        res = ops.verify(logits, tokens, draft_probs=draft, seed=seeds(b), offset=0)
+        assert bool((res.num_accepted == 0).all())
+        assert bool((res.emitted[:, 0] >= 8).all())
+    # q(x) = 0 with p(x) > 0: documented as always accepted.
+    tokens2 = torch.randint(8, v, (b, n), generator=gen)
+    res = ops.verify(logits, tokens2, draft_probs=torch.zeros(b, n, v), seed=seeds(b), offset=0)
+    assert bool((res.num_accepted == n - 1).all())
+
+
+def test_non_finite_and_zero_rows_set_status():
+    b, n, v = 6, 4, 10
+    logits = torch.zeros(b, n, v)
+    tokens = torch.ones(b, n, dtype=torch.int32)
+    allow = torch.ones(b, n, dtype=torch.bool)
+    logits[0, 0, 3] = math.nan
+    logits[1, 2, 3] = math.inf
+    logits[2, 1, :] = -math.inf
+    logits[3, 3, 0] = math.nan  # the leaf row
+    res = ops.verify(logits, tokens, allow=allow, seed=0, offset=0)
+    assert res.status.tolist() == [1, 1, 2, 1, 0, 0]
+    assert res.num_emitted.tolist() == [0, 2, 1, 3, 4, 4]
+    assert res.num_accepted.tolist() == [0, 2, 1, 3, 3, 3]
+    valid = res.emitted >= 0
+    assert bool((res.emitted[valid] < v).all())
+    probs = torch.full((2, 2, v), 0.1)
+    probs[0, 0, 2] = -0.1
+    q = torch.full((2, 2, v), 0.1)
+    q[1, 0, 1] = math.nan
+    res = ops.verify(probs, tokens[:2, :2], draft_probs=q, target_is_logits=False, seed=0, offset=0)
+    assert res.status.tolist() == [ops.STATUS_NON_FINITE, ops.STATUS_BAD_DRAFT]
+    s = ops.sample(torch.full((2, v), -math.inf), seed=0, offset=0)
+    assert s.status.tolist() == [2, 2] and s.tokens.tolist() == [-1, -1]
+
+
+def test_padding_and_variable_lengths():
+    b, n, v = 3, 5, 10
+    logits = torch.randn(b, n, v)
+    tokens = torch.tensor([[0, 1, -1, -1, -1], [0, 1, 2, -1, -1], [0, 1, 2, 3, 4]])
+    allow = torch.ones(b, n, dtype=torch.bool)
+    res = ops.verify(
+        logits,
+        tokens,
+        num_nodes=torch.tensor([2, 3, 5], dtype=torch.int32),
+        allow=allow,
+        seed=0,
+        offset=0,
+    )
+    assert res.num_accepted.tolist() == [1, 2, 4]
+    assert res.path[0].tolist() == [0, 1, -1, -1, -1]
+    parents = torch.tensor(
+        [[-1, 0, 0, -1, -1], [-1, 0, 1, 2, -1], [-1, 0, 0, 1, 1]], dtype=torch.int32
+    )
+    tokens = torch.tensor([[0, 1, 2, -1, -1], [0, 1, 2, 3, -1], [0, 1, 2, 3, 4]])
+    res = ops.verify(logits, tokens, parents=parents, allow=allow, seed=0, offset=0)
+    assert res.emitted.shape == (3, 4)  # max depth 3
+    assert res.num_accepted.tolist() == [1, 3, 2]
+    assert res.path[2].tolist() == [0, 1, 3, -1]
+
+
+def test_same_seed_same_tokens_permutation_and_threads():
+    gen = torch.Generator().manual_seed(90)
+    b, n, v = 64, 6, 300
+    logits = torch.randn(b, n, v, generator=gen)
+    q = torch.softmax(torch.randn(b, n, v, generator=gen), -1)
+    tokens = torch.randint(0, v, (b, n), generator=gen)
+    seed = torch.randint(0, 2**40, (b,), generator=gen)
+    offset = torch.randint(0, 2**40, (b,), generator=gen)
+    kw = dict(top_k=50, top_p=0.9, temperature=0.8)
+    a = ops.verify(logits, tokens, draft_probs=q, seed=seed, offset=offset, **kw)
+    c = ops.verify(logits, tokens, draft_probs=q, seed=seed, offset=offset, **kw)
+    for x, y in zip(a, c):
+        assert torch.equal(x, y)
+    perm = torch.randperm(b, generator=gen)
+    d = ops.verify(
+        logits[perm], tokens[perm], draft_probs=q[perm], seed=seed[perm], offset=offset[perm], **kw
+    )
+    for x, y in zip(a, d):
+        assert torch.equal(x[perm], y)
+    old = specdecode.get_num_threads()
+    try:
+        specdecode.set_num_threads(1)
+        e = ops.verify(logits, tokens, draft_probs=q, seed=seed, offset=offset, **kw)
+    finally:
+        specdecode.set_num_threads(old)
+    for x, y in zip(a, e):
+        assert torch.equal(x, y)
+    f = ops.verify(logits, tokens, draft_probs=q, seed=seed, offset=offset + 1, **kw)
+    assert not torch.equal(a.emitted, f.emitted)
+
+
+_ISA_SCRIPT = """
+import sys, torch
+from specdecode import ops
+g = torch.Generator().manual_seed(5)
+b, n, v = 16, 5, 3001
+logits = torch.randn(b, n, v, generator=g) * 3
+q = torch.softmax(torch.randn(b, n, v, generator=g) * 2, -1)
+tokens = torch.randint(0, v, (b, n), generator=g)
+parents = torch.tensor([-1, 0, 0, 1, 2], dtype=torch.int32).expand(b, n).contiguous()
+outs = []
+for kw in (dict(draft_probs=q), dict(parents=parents, draft_probs=q, top_k=40, top_p=0.8),
+           dict(temperature=0.6), dict(method="typical"),
+           dict(target_is_logits=False, draft_probs=q)):
+    t = torch.softmax(logits, -1) if kw.get("target_is_logits") is False else logits
+    r = ops.verify(t, tokens, seed=torch.arange(b), offset=1, **kw)
+    outs.append(torch.cat([r.emitted.flatten(), r.num_emitted, r.status]))
+torch.save(torch.cat(outs), sys.argv[1])
+"""
+
+
+def test_cpu_isa_paths_agree(tmp_path):
+    """The AVX2 row loops and the baseline ones must give identical tokens (as the GPU must)."""
+    import subprocess
+
+    results = []
+    for isa in ("baseline", "auto"):
+        env = dict(os.environ, SPECDECODE_CPU_ISA=isa)
+        out = tmp_path / f"{isa}.pt"
+        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(out)], env=env, check=True)
+        results.append(torch.load(out))
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_equal_float_of_the_same_values(dtype):
+    gen = torch.Generator().manual_seed(91)
+    b, n, v = 32, 4, 1000
+    logits = torch.randn(b, n, v, generator=gen).to(dtype)
+    q = torch.softmax(torch.randn(b, n, v, generator=gen), -1).to(dtype)
+    tokens = torch.randint(0, v, (b, n), generator=gen)
+    a = ops.verify(logits, tokens, draft_probs=q, seed=seeds(b), offset=0, top_k=100)
+    c = ops.verify(
+        logits.float(), tokens, draft_probs=q.float(), seed=seeds(b), offset=0, top_k=100
+    )
+    for x, y in zip(a, c):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("v", [32000, 128256, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_vocabulary_smoke(v, dtype):
+    gen = torch.Generator().manual_seed(v)
+    b, k = 2, 3
+    logits = (torch.randn(b, k + 1, v, generator=gen) * 4).to(dtype)
+    q = torch.softmax(torch.randn(b, k + 1, v, generator=gen) * 4, -1).to(dtype)
+    tokens = torch.randint(0, v, (b, k + 1), generator=gen)
+    tokens[:, 1] = logits[:, 0].float().argmax(-1)
+    res = ops.verify(logits, tokens, draft_probs=q, seed=seeds(b), offset=0, top_k=40, top_p=0.95)
+    assert int(res.status.abs().sum()) == 0
+    assert bool(((res.emitted >= -1) & (res.emitted < v)).all())
+    greedy = ops.verify(logits, tokens, seed=0, offset=0, method="greedy")
+    assert greedy.num_accepted.tolist() == [
+        1
+        + int(logits[r, 1].float().argmax() == tokens[r, 2])
+        * (1 + int(logits[r, 2].float().argmax() == tokens[r, 3]))
+        for r in range(b)
+    ]
+    s = ops.sample(logits[:, 0].contiguous(), 0.7, 50, 0.9, seed=seeds(b), offset=1)
+    kth = logits[:, 0].float().topk(50, -1).values[:, -1]
+    chosen = logits[:, 0].float().gather(1, s.tokens.long().unsqueeze(1)).squeeze(1)
+    assert bool((chosen >= kth).all())
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+
+def test_validation_errors_name_the_argument():
+    logits = torch.randn(2, 3, 10)
+    tokens = torch.ones(2, 3, dtype=torch.int32)
+    good = dict(seed=0, offset=0)
+    cases = [
+        (dict(target=logits.double()), TypeError, "target"),
+        (dict(target=logits[:, :, ::2]), ValueError, "target"),
+        (dict(target=torch.randn(2, 10)), ValueError, "target"),
+        (dict(tokens=tokens.float()), TypeError, "tokens"),
+        (dict(tokens=torch.ones(2, 4, dtype=torch.int32)), ValueError, "tokens"),
+        (dict(tokens=torch.full((2, 3), 10)), ValueError, "tokens"),
+        (dict(parents=torch.tensor([[-1, 0, 2], [-1, 0, 1]])), ValueError, "parents"),
+        (dict(draft_probs=torch.rand(2, 3, 11)), ValueError, "draft_probs"),
+        (dict(draft_probs=torch.rand(2, 3, 10).double()), TypeError, "draft_probs"),
+        (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(temperature=torch.tensor([1.0, float("nan")])), ValueError, "temperature"),
+        (dict(top_k=-1), ValueError, "top_k"),
+        (dict(top_k=1.5), TypeError, "top_k"),
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(top_p=torch.ones(3)), ValueError, "top_p"),
+        (dict(seed=torch.zeros(2)), TypeError, "seed"),
+        (dict(num_nodes=torch.tensor([0, 3], dtype=torch.int32)), ValueError, "num_nodes"),
+        (dict(method="fast"), ValueError, "method"),
+        (dict(method="relaxed"), ValueError, "eps"),
+        (dict(method="topk_accept"), ValueError, "topk_accept"),
+        (dict(allow=torch.ones(2, 3)), TypeError, "allow"),
+        (dict(max_depth=0), ValueError, "max_depth"),
+        (dict(target_is_logits=False, temperature=0.5), ValueError, "temperature"),
+    ]
+    for change, exc, name in cases:
+        kw = dict(good)
+        kw.update(change)
+        t = kw.pop("target", logits)
+        tok = kw.pop("tokens", tokens)
+        if "target_is_logits" in kw:
+            t = torch.rand(2, 3, 10)
+        with pytest.raises(exc, match=name):
+            ops.verify(t, tok, **kw)
+    with pytest.raises(ValueError, match="logits"):
+        ops.sample(torch.randn(3, 0), seed=0, offset=0)
+
+
+def test_numpy_inputs_and_int32_seeds():
+    logits = np.random.default_rng(0).standard_normal((3, 2, 20)).astype(np.float32)
+    tokens = np.ones((3, 2), dtype=np.int64)
+    a = ops.verify(logits, tokens, seed=np.arange(3, dtype=np.int32), offset=5)
+    b = ops.verify(
+        torch.from_numpy(logits),
+        torch.from_numpy(tokens),
+        seed=torch.arange(3),
+        offset=torch.full((3,), 5),
+    )
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+# ---- torch.compile -----------------------------------------------------------------------------
+
+
+def test_torch_compile_aot_eager_matches_eager():
+    gen = torch.Generator().manual_seed(100)
+    logits = torch.randn(4, 3, 50, generator=gen)
+    tokens = torch.randint(0, 50, (4, 3), generator=gen)
+    seed = torch.arange(4)
+
+    def step(x, t, s):
+        r = ops.verify(x, t, seed=s, offset=9, top_k=10)
+        return r.emitted, r.num_emitted
+
+    compiled = torch.compile(step, backend="aot_eager")
+    got = compiled(logits, tokens, seed)
+    want = step(logits, tokens, seed)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_custom_op_opcheck():
+    gen = torch.Generator().manual_seed(101)
+    b, n, v = 2, 3, 20
+    args = (
+        torch.randn(b, n, v, generator=gen),
+        torch.randint(0, v, (b, n), generator=gen, dtype=torch.int32),
+        None,
+        None,
+        torch.softmax(torch.randn(b, n, v, generator=gen), -1),
+        None,
+        torch.ones(b),
+        torch.zeros(b, dtype=torch.int32),
+        torch.ones(b),
+        torch.arange(b),
+        torch.zeros(b, dtype=torch.int64),
+        True,
+        0,
+        0.0,
+        0.0,
+        0,
+        False,
+        n - 1,
+        True,
+    )
+    torch.library.opcheck(torch.ops.specdecode.verify.default, args)
+
+
+# ---- CUDA --------------------------------------------------------------------------------------
+
+_HAS_CUDA = torch.cuda.is_available() and "cuda" in specdecode.info()["backends"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA device and a CUDA build of specdecode")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_cpu_token_for_token(dtype):
+    gen = torch.Generator().manual_seed(110)
+    for v, b, n in ((50, 256, 6), (32000, 8, 5), (151936, 2, 4)):
+        logits = (torch.randn(b, n, v, generator=gen) * 3).to(dtype)
+        q = torch.softmax(torch.randn(b, n, v, generator=gen) * 3, -1).to(dtype)
+        tokens = torch.randint(0, v, (b, n), generator=gen)
+        parents = torch.tensor([-1, 0, 0] + list(range(1, n - 2)), dtype=torch.int32)
+        parents = parents.expand(b, n).contiguous()
+        for kw in (
+            dict(),
+            dict(draft_probs=q),
+            dict(draft_probs=q, parents=parents, top_k=20, top_p=0.9, temperature=0.7),
+            dict(parents=parents, method="typical"),
+            dict(method="greedy"),
+            dict(draft_probs=q, method="relaxed", eps=0.2),
+        ):
+            cpu = ops.verify(logits, tokens, seed=seeds(b), offset=3, **kw)
+            kw_gpu = {k: (x.cuda() if isinstance(x, torch.Tensor) else x) for k, x in kw.items()}
+            gpu = ops.verify(logits.cuda(), tokens.cuda(), seed=seeds(b).cuda(), offset=3, **kw_gpu)
+            for x, y in zip(cpu, gpu):
+                assert torch.equal(x, y.cpu()), (v, kw.keys())
+        s_cpu = ops.sample(logits[:, 0], 0.8, 30, 0.95, seed=seeds(b), offset=1)
+        s_gpu = ops.sample(logits[:, 0].cuda(), 0.8, 30, 0.95, seed=seeds(b).cuda(), offset=1)
+        assert torch.equal(s_cpu.tokens, s_gpu.tokens.cpu())
