@@ -19,7 +19,7 @@ from specdecode import _C, ops
 TOL = {torch.float32: 3e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 LSE_TOL = 5e-5  # lse is float32 for every dtype (the inputs are the same rounded values)
 
-ISAS = [isa for isa in ("avx512", "avx2", "generic") if _C.set_attention_isa(isa)]
+ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2", "generic") if _C.set_attention_isa(isa)]
 _C.set_attention_isa("")
 
 HAS_CUDA = torch.cuda.is_available() and "cuda" in specdecode.info().get("backends", [])
