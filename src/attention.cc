@@ -116,16 +116,17 @@ SD_FORCE_INLINE float generic_softmax_row(float* s, uint64_t visible, SoftmaxSta
   return alpha;
 }
 
-SD_FORCE_INLINE void generic_pv(const float* p, int rows, int n, const float* vb, int d,
-                                const float* alpha, float* o) {
+template <AttnDType VT>
+SD_FORCE_INLINE void generic_pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
+                                int64_t vs, int d, const float* alpha, float* o) {
   for (int r = 0; r < rows; ++r) {
     float* orow = o + r * d;
     for (int i = 0; i < d; ++i) orow[i] *= alpha[r];
     for (int j = 0; j < n; ++j) {
       const float pj = p[r * kBlock + j];
       if (pj == 0.0f) continue;
-      const float* vrow = vb + j * d;
-      for (int i = 0; i < d; ++i) orow[i] += pj * vrow[i];
+      const typename Elem<VT>::T* vrow = vb + j * vs;
+      for (int i = 0; i < d; ++i) orow[i] += pj * Elem<VT>::load(vrow + i);
     }
   }
 }
@@ -150,9 +151,10 @@ struct GenericKernels {
   static float softmax_row(float* s, uint64_t visible, SoftmaxState* state) {
     return generic_softmax_row(s, visible, state);
   }
-  static void pv(const float* p, int rows, int n, const float* vb, int d, const float* alpha,
-                 float* o) {
-    generic_pv(p, rows, n, vb, d, alpha, o);
+  template <AttnDType VT>
+  static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb, int64_t vs, int d,
+                 const float* alpha, float* o) {
+    generic_pv<VT>(p, rows, n, vb, vs, d, alpha, o);
   }
 };
 
@@ -184,9 +186,10 @@ struct Avx2Kernels {
   SD_TARGET_AVX2 static float softmax_row(float* s, uint64_t visible, SoftmaxState* state) {
     return generic_softmax_row(s, visible, state);
   }
-  SD_TARGET_AVX2 static void pv(const float* p, int rows, int n, const float* vb, int d,
-                                const float* alpha, float* o) {
-    generic_pv(p, rows, n, vb, d, alpha, o);
+  template <AttnDType VT>
+  SD_TARGET_AVX2 static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
+                                int64_t vs, int d, const float* alpha, float* o) {
+    generic_pv<VT>(p, rows, n, vb, vs, d, alpha, o);
   }
 };
 
@@ -273,9 +276,9 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void scores_tile(const float* q, int d, const f
 }
 
 // o[r][c0 .. c0 + 16 CV) = alpha[r] * o + sum_j p[r][j] v[j] for RB rows.
-template <int RB, int CV>
-SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const float* vb, int d,
-                                              const float* alpha, float* o) {
+template <int RB, int CV, AttnDType VT>
+SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const typename Elem<VT>::T* vb,
+                                              int64_t vs, int d, const float* alpha, float* o) {
   __m512 acc[RB][CV];
   for (int r = 0; r < RB; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
@@ -283,7 +286,7 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const float
   }
   for (int j = 0; j < n; ++j) {
     __m512 v[CV];
-    for (int c = 0; c < CV; ++c) v[c] = _mm512_loadu_ps(vb + j * d + 16 * c);
+    for (int c = 0; c < CV; ++c) v[c] = load16<VT>(vb + j * vs + 16 * c);
     for (int r = 0; r < RB; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r * kBlock + j]);
       for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_fmadd_ps(pj, v[c], acc[r][c]);
@@ -296,22 +299,23 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const float
 
 // Full tiles of 8 rows use 8 x 2 register tiles (fewer loads of V per FMA); fewer rows use
 // up to 4 x 4.
-template <int RB>
-SD_TARGET_AVX512 SD_FORCE_INLINE void pv_rows(const float* p, int n, const float* vb, int d,
-                                              const float* alpha, float* o) {
+template <int RB, AttnDType VT>
+SD_TARGET_AVX512 SD_FORCE_INLINE void pv_rows(const float* p, int n, const typename Elem<VT>::T* vb,
+                                              int64_t vs, int d, const float* alpha, float* o) {
   constexpr int kWide = RB > 4 ? 2 : 4;
   int c = 0;
-  for (; c + 16 * kWide <= d; c += 16 * kWide) pv_tile<RB, kWide>(p, n, vb + c, d, alpha, o + c);
+  for (; c + 16 * kWide <= d; c += 16 * kWide)
+    pv_tile<RB, kWide, VT>(p, n, vb + c, vs, d, alpha, o + c);
   // Head dims are multiples of 16: fewer than kWide vectors remain.
   switch ((d - c) / 16) {
     case 1:
-      pv_tile<RB, 1>(p, n, vb + c, d, alpha, o + c);
+      pv_tile<RB, 1, VT>(p, n, vb + c, vs, d, alpha, o + c);
       break;
     case 2:
-      pv_tile<RB, 2>(p, n, vb + c, d, alpha, o + c);
+      pv_tile<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c);
       break;
     case 3:
-      pv_tile<RB, 3>(p, n, vb + c, d, alpha, o + c);
+      pv_tile<RB, 3, VT>(p, n, vb + c, vs, d, alpha, o + c);
       break;
     default:
       break;
@@ -392,23 +396,25 @@ struct Avx512Kernels {
     state->l += _mm512_reduce_add_ps(sum);
     return alpha;
   }
-  SD_TARGET_AVX512 static void pv(const float* p, int rows, int n, const float* vb, int d,
-                                  const float* alpha, float* o) {
+  template <AttnDType VT>
+  SD_TARGET_AVX512 static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
+                                  int64_t vs, int d, const float* alpha, float* o) {
     if (rows == 8) {
-      pv_rows<8>(p, n, vb, d, alpha, o);
+      pv_rows<8, VT>(p, n, vb, vs, d, alpha, o);
       return;
     }
     int r = 0;
-    for (; r + 4 <= rows; r += 4) pv_rows<4>(p + r * kBlock, n, vb, d, alpha + r, o + r * d);
+    for (; r + 4 <= rows; r += 4)
+      pv_rows<4, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
     switch (rows - r) {
       case 1:
-        pv_rows<1>(p + r * kBlock, n, vb, d, alpha + r, o + r * d);
+        pv_rows<1, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
         break;
       case 2:
-        pv_rows<2>(p + r * kBlock, n, vb, d, alpha + r, o + r * d);
+        pv_rows<2, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
         break;
       case 3:
-        pv_rows<3>(p + r * kBlock, n, vb, d, alpha + r, o + r * d);
+        pv_rows<3, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
         break;
       default:
         break;
@@ -634,7 +640,12 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
     }
     for (int64_t head = 0; head < sh.heads; ++head) {
       K::template load_kt<DT>(k + j0 * rs + head * hs, rs, n, d, ws.kt);
-      K::template load_rows<DT>(v + j0 * rs + head * hs, rs, n, d, 1.0f, ws.vb);
+      // With one row tile (few rows, memory bound) the values are read once, straight from the
+      // cache and converted in registers. Many row tiles read them many times, so they are first
+      // staged as contiguous fp32: a head's rows are Hkv * D apart, which maps them onto few L1
+      // sets, and bf16 / fp16 would be converted once per tile.
+      const bool stage_v = rows > kRowTile;
+      if (stage_v) K::template load_rows<DT>(v + j0 * rs + head * hs, rs, n, d, 1.0f, ws.vb);
       const int64_t base = head * sh.rows;
       for (int r0 = 0; r0 < rows; r0 += kRowTile) {
         const int rb = std::min(kRowTile, rows - r0);
@@ -645,7 +656,13 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
           const uint64_t vis = block_visibility(mrow, t, static_cast<int>(j0 - begin), n, tree);
           ws.alpha[i] = K::softmax_row(ws.s + i * kBlock, vis, &st[base + r0 + i]);
         }
-        K::pv(ws.s, rb, n, ws.vb, d, ws.alpha, o + (base + r0) * sh.d);
+        if (stage_v) {
+          K::template pv<AttnDType::kFloat32>(ws.s, rb, n, ws.vb, d, d, ws.alpha,
+                                              o + (base + r0) * sh.d);
+        } else {
+          K::template pv<DT>(ws.s, rb, n, v + j0 * rs + head * hs, rs, d, ws.alpha,
+                             o + (base + r0) * sh.d);
+        }
       }
     }
   }

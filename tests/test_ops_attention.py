@@ -96,6 +96,17 @@ def test_tree_matches_reference_dtypes_and_head_dims(isa, dtype, d):
     check(q, k, v, lens, mask)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [80, 128])
+@pytest.mark.parametrize("t", [1, 3])
+def test_decode_and_short_chains_dtypes(isa, dtype, d, t):
+    # At most 8 query rows per KV head: values are read straight from the (strided) cache and
+    # converted in registers instead of being staged.
+    q, k, v, lens, gen = make_case(2, t, 4, 2, d, [700, 0], dtype, strided=True, seed=d + t)
+    check(q, k, v, lens, None)
+    check(q, k, v, lens, ops.tree_info(random_parents(2, t, gen)).mask)
+
+
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (4, 4), (8, 2), (6, 1), (32, 8)])
 def test_gqa_ratios(isa, hq, hkv):
     q, k, v, lens, gen = make_case(2, 5, hq, hkv, 64, [19, 70], seed=hq)
