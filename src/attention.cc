@@ -39,7 +39,7 @@ namespace {
 
 constexpr int kBlock = 64;            // keys per block: 4 vectors of 16 floats
 constexpr int64_t kSplitKeys = 2048;  // prefix keys per work item (a multiple of kBlock)
-constexpr int kRowTile = 4;           // query rows per register tile
+constexpr int kRowTile = 8;           // query rows per register tile
 
 // ---- element access ------------------------------------------------------------------------
 
@@ -116,16 +116,17 @@ SD_FORCE_INLINE float generic_softmax_row(float* s, uint64_t visible, SoftmaxSta
   return alpha;
 }
 
-SD_FORCE_INLINE void generic_pv(const float* p, int rows, int n, const float* vb, int d,
-                                const float* alpha, float* o) {
+template <AttnDType VT>
+SD_FORCE_INLINE void generic_pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
+                                int64_t vs, int d, const float* alpha, float* o) {
   for (int r = 0; r < rows; ++r) {
     float* orow = o + r * d;
     for (int i = 0; i < d; ++i) orow[i] *= alpha[r];
     for (int j = 0; j < n; ++j) {
       const float pj = p[r * kBlock + j];
       if (pj == 0.0f) continue;
-      const float* vrow = vb + j * d;
-      for (int i = 0; i < d; ++i) orow[i] += pj * vrow[i];
+      const typename Elem<VT>::T* vrow = vb + j * vs;
+      for (int i = 0; i < d; ++i) orow[i] += pj * Elem<VT>::load(vrow + i);
     }
   }
 }
@@ -140,15 +141,20 @@ struct GenericKernels {
                         float* dst) {
     generic_load_rows<DT>(src, rs, n, d, mult, dst);
   }
-  static void scores(const float* q, int rows, int d, const float* kt, float* s) {
+  template <AttnDType DT>
+  static void load_q(const typename Elem<DT>::T* src, int d, float mult, float* dst) {
+    generic_load_rows<DT>(src, 0, 1, d, mult, dst);
+  }
+  static void scores(const float* q, int rows, int d, const float* kt, float* s, float) {
     generic_scores(q, rows, d, kt, s);
   }
   static float softmax_row(float* s, uint64_t visible, SoftmaxState* state) {
     return generic_softmax_row(s, visible, state);
   }
-  static void pv(const float* p, int rows, int n, const float* vb, int d, const float* alpha,
-                 float* o) {
-    generic_pv(p, rows, n, vb, d, alpha, o);
+  template <AttnDType VT>
+  static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb, int64_t vs, int d,
+                 const float* alpha, float* o) {
+    generic_pv<VT>(p, rows, n, vb, vs, d, alpha, o);
   }
 };
 
@@ -168,15 +174,22 @@ struct Avx2Kernels {
                                        float mult, float* dst) {
     generic_load_rows<DT>(src, rs, n, d, mult, dst);
   }
-  SD_TARGET_AVX2 static void scores(const float* q, int rows, int d, const float* kt, float* s) {
+  template <AttnDType DT>
+  SD_TARGET_AVX2 static void load_q(const typename Elem<DT>::T* src, int d, float mult,
+                                    float* dst) {
+    generic_load_rows<DT>(src, 0, 1, d, mult, dst);
+  }
+  SD_TARGET_AVX2 static void scores(const float* q, int rows, int d, const float* kt, float* s,
+                                    float) {
     generic_scores(q, rows, d, kt, s);
   }
   SD_TARGET_AVX2 static float softmax_row(float* s, uint64_t visible, SoftmaxState* state) {
     return generic_softmax_row(s, visible, state);
   }
-  SD_TARGET_AVX2 static void pv(const float* p, int rows, int n, const float* vb, int d,
-                                const float* alpha, float* o) {
-    generic_pv(p, rows, n, vb, d, alpha, o);
+  template <AttnDType VT>
+  SD_TARGET_AVX2 static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
+                                int64_t vs, int d, const float* alpha, float* o) {
+    generic_pv<VT>(p, rows, n, vb, vs, d, alpha, o);
   }
 };
 
@@ -241,34 +254,31 @@ SD_TARGET_AVX512 SD_FORCE_INLINE __m512 exp2_avx512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-template <int RB>
+// s[r][16 c .. 16 c + 16) for c < CV of RB rows: the key vectors kt[i][16 c ..].
+template <int RB, int CV>
 SD_TARGET_AVX512 SD_FORCE_INLINE void scores_tile(const float* q, int d, const float* kt,
                                                   float* s) {
-  __m512 acc[RB][4];
+  __m512 acc[RB][CV];
   for (int r = 0; r < RB; ++r) {
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_setzero_ps();
   }
   for (int i = 0; i < d; ++i) {
-    const float* krow = kt + i * kBlock;
-    const __m512 k0 = _mm512_load_ps(krow), k1 = _mm512_load_ps(krow + 16);
-    const __m512 k2 = _mm512_load_ps(krow + 32), k3 = _mm512_load_ps(krow + 48);
+    __m512 k[CV];
+    for (int c = 0; c < CV; ++c) k[c] = _mm512_load_ps(kt + i * kBlock + 16 * c);
     for (int r = 0; r < RB; ++r) {
       const __m512 qv = _mm512_set1_ps(q[r * d + i]);
-      acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(qv, k2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(qv, k3, acc[r][3]);
+      for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_fmadd_ps(qv, k[c], acc[r][c]);
     }
   }
   for (int r = 0; r < RB; ++r) {
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(s + r * kBlock + 16 * c, acc[r][c]);
+    for (int c = 0; c < CV; ++c) _mm512_store_ps(s + r * kBlock + 16 * c, acc[r][c]);
   }
 }
 
 // o[r][c0 .. c0 + 16 CV) = alpha[r] * o + sum_j p[r][j] v[j] for RB rows.
-template <int RB, int CV>
-SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const float* vb, int d,
-                                              const float* alpha, float* o) {
+template <int RB, int CV, AttnDType VT>
+SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const typename Elem<VT>::T* vb,
+                                              int64_t vs, int d, const float* alpha, float* o) {
   __m512 acc[RB][CV];
   for (int r = 0; r < RB; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
@@ -276,7 +286,7 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const float
   }
   for (int j = 0; j < n; ++j) {
     __m512 v[CV];
-    for (int c = 0; c < CV; ++c) v[c] = _mm512_loadu_ps(vb + j * d + 16 * c);
+    for (int c = 0; c < CV; ++c) v[c] = load16<VT>(vb + j * vs + 16 * c);
     for (int r = 0; r < RB; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r * kBlock + j]);
       for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_fmadd_ps(pj, v[c], acc[r][c]);
@@ -287,21 +297,25 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const float
   }
 }
 
-template <int RB>
-SD_TARGET_AVX512 SD_FORCE_INLINE void pv_rows(const float* p, int n, const float* vb, int d,
-                                              const float* alpha, float* o) {
+// Full tiles of 8 rows use 8 x 2 register tiles (fewer loads of V per FMA); fewer rows use
+// up to 4 x 4.
+template <int RB, AttnDType VT>
+SD_TARGET_AVX512 SD_FORCE_INLINE void pv_rows(const float* p, int n, const typename Elem<VT>::T* vb,
+                                              int64_t vs, int d, const float* alpha, float* o) {
+  constexpr int kWide = RB > 4 ? 2 : 4;
   int c = 0;
-  for (; c + 64 <= d; c += 64) pv_tile<RB, 4>(p, n, vb + c, d, alpha, o + c);
-  // Head dims are multiples of 16: at most 3 vectors remain.
+  for (; c + 16 * kWide <= d; c += 16 * kWide)
+    pv_tile<RB, kWide, VT>(p, n, vb + c, vs, d, alpha, o + c);
+  // Head dims are multiples of 16: fewer than kWide vectors remain.
   switch ((d - c) / 16) {
     case 1:
-      pv_tile<RB, 1>(p, n, vb + c, d, alpha, o + c);
+      pv_tile<RB, 1, VT>(p, n, vb + c, vs, d, alpha, o + c);
       break;
     case 2:
-      pv_tile<RB, 2>(p, n, vb + c, d, alpha, o + c);
+      pv_tile<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c);
       break;
     case 3:
-      pv_tile<RB, 3>(p, n, vb + c, d, alpha, o + c);
+      pv_tile<RB, 3, VT>(p, n, vb + c, vs, d, alpha, o + c);
       break;
     default:
       break;
@@ -334,18 +348,29 @@ struct Avx512Kernels {
       }
     }
   }
-  SD_TARGET_AVX512 static void scores(const float* q, int rows, int d, const float* kt, float* s) {
+  template <AttnDType DT>
+  SD_TARGET_AVX512 static void load_q(const typename Elem<DT>::T* src, int d, float mult,
+                                      float* dst) {
+    load_rows<DT>(src, 0, 1, d, mult, dst);
+  }
+  SD_TARGET_AVX512 static void scores(const float* q, int rows, int d, const float* kt, float* s,
+                                      float) {
+    if (rows == 8) {
+      scores_tile<8, 2>(q, d, kt, s);
+      scores_tile<8, 2>(q, d, kt + 32, s + 32);
+      return;
+    }
     int r = 0;
-    for (; r + 4 <= rows; r += 4) scores_tile<4>(q + r * d, d, kt, s + r * kBlock);
+    for (; r + 4 <= rows; r += 4) scores_tile<4, 4>(q + r * d, d, kt, s + r * kBlock);
     switch (rows - r) {
       case 1:
-        scores_tile<1>(q + r * d, d, kt, s + r * kBlock);
+        scores_tile<1, 4>(q + r * d, d, kt, s + r * kBlock);
         break;
       case 2:
-        scores_tile<2>(q + r * d, d, kt, s + r * kBlock);
+        scores_tile<2, 4>(q + r * d, d, kt, s + r * kBlock);
         break;
       case 3:
-        scores_tile<3>(q + r * d, d, kt, s + r * kBlock);
+        scores_tile<3, 4>(q + r * d, d, kt, s + r * kBlock);
         break;
       default:
         break;
@@ -371,19 +396,120 @@ struct Avx512Kernels {
     state->l += _mm512_reduce_add_ps(sum);
     return alpha;
   }
-  SD_TARGET_AVX512 static void pv(const float* p, int rows, int n, const float* vb, int d,
-                                  const float* alpha, float* o) {
+  template <AttnDType VT>
+  SD_TARGET_AVX512 static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
+                                  int64_t vs, int d, const float* alpha, float* o) {
+    if (rows == 8) {
+      pv_rows<8, VT>(p, n, vb, vs, d, alpha, o);
+      return;
+    }
     int r = 0;
-    for (; r + 4 <= rows; r += 4) pv_rows<4>(p + r * kBlock, n, vb, d, alpha + r, o + r * d);
+    for (; r + 4 <= rows; r += 4)
+      pv_rows<4, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
     switch (rows - r) {
       case 1:
-        pv_rows<1>(p + r * kBlock, n, vb, d, alpha + r, o + r * d);
+        pv_rows<1, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
         break;
       case 2:
-        pv_rows<2>(p + r * kBlock, n, vb, d, alpha + r, o + r * d);
+        pv_rows<2, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
         break;
       case 3:
-        pv_rows<3>(p + r * kBlock, n, vb, d, alpha + r, o + r * d);
+        pv_rows<3, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
+        break;
+      default:
+        break;
+    }
+  }
+};
+
+// bf16 inputs with AVX512_BF16: the scores use vdpbf16ps on the raw bf16 query and keys. A
+// product of two bf16 values is exact in fp32 and vdpbf16ps accumulates in fp32, so this is the
+// same fp32-accumulated dot product as converting first (up to summation order), at twice the
+// rate. The query stays unscaled (scaling it would round it) and the scale is applied to the
+// scores. Everything after the scores is the fp32 code of Avx512Kernels.
+#define SD_TARGET_AVX512BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+
+template <int RB, int CV>
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void scores_tile_bf16(const uint32_t* q, int pairs,
+                                                           const float* kt, float* s, float mult) {
+  __m512 acc[RB][CV];
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int i = 0; i < pairs; ++i) {
+    __m512bh k[CV];
+    for (int c = 0; c < CV; ++c) {
+      k[c] = (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(kt + i * kBlock + 16 * c));
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * pairs + i]));
+      for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qv, k[c]);
+    }
+  }
+  const __m512 m = _mm512_set1_ps(mult);
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < CV; ++c)
+      _mm512_store_ps(s + r * kBlock + 16 * c, _mm512_mul_ps(acc[r][c], m));
+  }
+}
+
+struct Avx512Bf16Kernels : Avx512Kernels {
+  // kt holds, for each pair of dims (2i, 2i + 1), the 32-bit words (k[j][2i], k[j][2i + 1]) of
+  // the block's keys j: the 16 x 16 transpose of 32-bit words, applied to raw bf16 pairs.
+  template <AttnDType DT>
+  SD_TARGET_AVX512BF16 static void load_kt(const typename Elem<DT>::T* k, int64_t rs, int n, int d,
+                                           float* kt) {
+    static_assert(DT == AttnDType::kBFloat16, "bf16 only");
+    for (int g = 0; g < kBlock / 16; ++g) {
+      // d / 2 pair words per key: 16 per chunk; d = 80 leaves a chunk of 8.
+      for (int c = 0; c < (d / 2 + 15) / 16; ++c) {
+        const int words = std::min(16, d / 2 - 16 * c);
+        const __mmask16 mk = static_cast<__mmask16>((1u << words) - 1u);
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int j = 16 * g + i;
+          r[i] = j < n ? _mm512_maskz_loadu_ps(mk, k + j * rs + 32 * c) : _mm512_setzero_ps();
+        }
+        transpose16(r);
+        for (int i = 0; i < words; ++i) {
+          _mm512_store_ps(kt + (16 * c + i) * kBlock + 16 * g, r[i]);
+        }
+      }
+    }
+  }
+  // The raw bf16 row (d / 2 words) in place of the scaled fp32 row.
+  template <AttnDType DT>
+  SD_TARGET_AVX512BF16 static void load_q(const typename Elem<DT>::T* src, int d, float,
+                                          float* dst) {
+    static_assert(DT == AttnDType::kBFloat16, "bf16 only");
+    std::memcpy(dst, src, static_cast<size_t>(d) * sizeof(uint16_t));
+  }
+  SD_TARGET_AVX512BF16 static void scores(const float* q, int rows, int d, const float* kt,
+                                          float* s, float mult) {
+    // Workspace rows keep their fp32 stride d; gather the tile's words (d / 2 per row).
+    const int pairs = d / 2;
+    alignas(64) uint32_t qp[kRowTile * 128];
+    for (int r = 0; r < rows; ++r) {
+      std::memcpy(qp + r * pairs, q + r * d, static_cast<size_t>(pairs) * sizeof(uint32_t));
+    }
+    if (rows == 8) {
+      scores_tile_bf16<8, 2>(qp, pairs, kt, s, mult);
+      scores_tile_bf16<8, 2>(qp, pairs, kt + 32, s + 32, mult);
+      return;
+    }
+    int r = 0;
+    for (; r + 4 <= rows; r += 4)
+      scores_tile_bf16<4, 4>(qp + r * pairs, pairs, kt, s + r * kBlock, mult);
+    switch (rows - r) {
+      case 1:
+        scores_tile_bf16<1, 4>(qp + r * pairs, pairs, kt, s + r * kBlock, mult);
+        break;
+      case 2:
+        scores_tile_bf16<2, 4>(qp + r * pairs, pairs, kt, s + r * kBlock, mult);
+        break;
+      case 3:
+        scores_tile_bf16<3, 4>(qp + r * pairs, pairs, kt, s + r * kBlock, mult);
         break;
       default:
         break;
@@ -394,14 +520,14 @@ struct Avx512Kernels {
 
 // ---- ISA selection -------------------------------------------------------------------------
 
-enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 Isa best_isa() {
 #ifdef SD_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return Isa::kAvx512;
+    return __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
@@ -514,18 +640,29 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
     }
     for (int64_t head = 0; head < sh.heads; ++head) {
       K::template load_kt<DT>(k + j0 * rs + head * hs, rs, n, d, ws.kt);
-      K::template load_rows<DT>(v + j0 * rs + head * hs, rs, n, d, 1.0f, ws.vb);
+      // With one row tile (few rows, memory bound) the values are read once, straight from the
+      // cache and converted in registers. Many row tiles read them many times, so they are first
+      // staged as contiguous fp32: a head's rows are Hkv * D apart, which maps them onto few L1
+      // sets, and bf16 / fp16 would be converted once per tile.
+      const bool stage_v = rows > kRowTile;
+      if (stage_v) K::template load_rows<DT>(v + j0 * rs + head * hs, rs, n, d, 1.0f, ws.vb);
       const int64_t base = head * sh.rows;
       for (int r0 = 0; r0 < rows; r0 += kRowTile) {
         const int rb = std::min(kRowTile, rows - r0);
-        K::scores(ws.q + (base + r0) * sh.d, rb, d, ws.kt, ws.s);
+        K::scores(ws.q + (base + r0) * sh.d, rb, d, ws.kt, ws.s, a.scale * kLog2e);
         for (int i = 0; i < rb; ++i) {
           const int t = (r0 + i) / static_cast<int>(sh.g);
           const uint32_t* mrow = mask_b ? mask_b + t * sh.words : nullptr;
           const uint64_t vis = block_visibility(mrow, t, static_cast<int>(j0 - begin), n, tree);
           ws.alpha[i] = K::softmax_row(ws.s + i * kBlock, vis, &st[base + r0 + i]);
         }
-        K::pv(ws.s, rb, n, ws.vb, d, ws.alpha, o + (base + r0) * sh.d);
+        if (stage_v) {
+          K::template pv<AttnDType::kFloat32>(ws.s, rb, n, ws.vb, d, d, ws.alpha,
+                                              o + (base + r0) * sh.d);
+        } else {
+          K::template pv<DT>(ws.s, rb, n, v + j0 * rs + head * hs, rs, d, ws.alpha,
+                             o + (base + r0) * sh.d);
+        }
       }
     }
   }
@@ -546,7 +683,7 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   for (int64_t rr = 0; rr < rows; ++rr) {
     const RowIndex ri = row_index(sh, kvh0, rr);
     const T* src = q + b * a.q_strides[0] + ri.t * a.q_strides[1] + ri.h * a.q_strides[2];
-    K::template load_rows<DT>(src, 0, 1, d, mult, ws.q + rr * sh.d);
+    K::template load_q<DT>(src, d, mult, ws.q + rr * sh.d);
   }
   const T* k = static_cast<const T*>(a.k) + b * a.kv_strides[0] + kvh0 * a.kv_strides[2];
   const T* v = static_cast<const T*>(a.v) + b * a.kv_strides[0] + kvh0 * a.kv_strides[2];
@@ -706,6 +843,8 @@ void run_isa(const AttentionArgs& a) {
 
 const char* attention_isa() {
   switch (current_isa()) {
+    case Isa::kAvx512Bf16:
+      return "avx512bf16";
     case Isa::kAvx512:
       return "avx512";
     case Isa::kAvx2:
@@ -728,6 +867,8 @@ bool set_attention_isa(const char* name) {
     want = Isa::kAvx2;
   else if (s == "avx512")
     want = Isa::kAvx512;
+  else if (s == "avx512bf16")
+    want = Isa::kAvx512Bf16;
   else
     return false;
   if (static_cast<int>(want) > static_cast<int>(best_isa())) return false;
@@ -739,6 +880,14 @@ void tree_attention(const AttentionArgs& a) {
   if (a.batch == 0) return;
   switch (current_isa()) {
 #ifdef SD_X86
+    case Isa::kAvx512Bf16:
+      // The bf16 dot product only changes bf16 inputs; other dtypes run the AVX-512 fp32 code.
+      if (a.dtype == AttnDType::kBFloat16) {
+        run<Avx512Bf16Kernels, AttnDType::kBFloat16>(a);
+      } else {
+        run_isa<Avx512Kernels>(a);
+      }
+      break;
     case Isa::kAvx512:
       run_isa<Avx512Kernels>(a);
       break;

@@ -19,7 +19,7 @@ from specdecode import _C, ops
 TOL = {torch.float32: 3e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 LSE_TOL = 5e-5  # lse is float32 for every dtype (the inputs are the same rounded values)
 
-ISAS = [isa for isa in ("avx512", "avx2", "generic") if _C.set_attention_isa(isa)]
+ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2", "generic") if _C.set_attention_isa(isa)]
 _C.set_attention_isa("")
 
 HAS_CUDA = torch.cuda.is_available() and "cuda" in specdecode.info().get("backends", [])
@@ -94,6 +94,17 @@ def test_tree_matches_reference_dtypes_and_head_dims(isa, dtype, d):
     q, k, v, lens, gen = make_case(2, 7, 4, 2, d, [37, 5], dtype, seed=d)
     mask = ops.tree_info(random_parents(2, 7, gen)).mask
     check(q, k, v, lens, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [80, 128])
+@pytest.mark.parametrize("t", [1, 3])
+def test_decode_and_short_chains_dtypes(isa, dtype, d, t):
+    # At most 8 query rows per KV head: values are read straight from the (strided) cache and
+    # converted in registers instead of being staged.
+    q, k, v, lens, gen = make_case(2, t, 4, 2, d, [700, 0], dtype, strided=True, seed=d + t)
+    check(q, k, v, lens, None)
+    check(q, k, v, lens, ops.tree_info(random_parents(2, t, gen)).mask)
 
 
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (4, 4), (8, 2), (6, 1), (32, 8)])

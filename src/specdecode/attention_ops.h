@@ -37,10 +37,11 @@ struct AttentionArgs {
 
 namespace cpu {
 
-// Which vector code path the CPU kernels use on this machine: "avx512", "avx2" or "generic".
+// Which vector code path the CPU kernels use on this machine: "avx512bf16" (AVX-512 with bf16
+// dot products for bf16 inputs), "avx512", "avx2" or "generic".
 const char* attention_isa();
 
-// Forces a code path for testing ("avx512", "avx2", "generic", or "" for the best available).
+// Forces a code path for testing (one of the above, or "" for the best available).
 // Returns false (and changes nothing) when the machine lacks the requested instructions.
 bool set_attention_isa(const char* name);
 

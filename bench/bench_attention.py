@@ -1,0 +1,171 @@
+"""Benchmark of specdecode.ops.tree_attention against PyTorch baselines, on one machine, one run.
+
+For every case (B, prefix S, tree T, dtype; Hq=32, Hkv=8, D=128, a causal-chain mask over the
+T tree nodes) it times, best of N:
+
+* ``ours``  -- specdecode.ops.tree_attention (prefix dense + masked tree, LSE merge);
+* ``sdpa``  -- torch.nn.functional.scaled_dot_product_attention with the equivalent dense
+  boolean mask [B, 1, T, S + T] and ``enable_gqa=True``;
+* ``naive`` -- matmul -> masked_fill -> softmax -> matmul with the KV heads repeated for GQA.
+
+It also measures, in the same run, the machine's read bandwidth (``sum`` over a 512 MiB fp32
+tensor with the same thread count) and a practical fp32 peak (a 4096^3 matmul), and reports
+GB/s of KV that must be read (2 * B * (S + T) * Hkv * D * itemsize) and FLOP/s
+(4 * B * T * Hq * (S + T) * D) against them. For the memory-bound cases (T <= 4) the bandwidth is
+measured again interleaved with the op (alternating calls, best of each), so both see the same
+load from other processes on a shared machine; the "% bw" column uses that figure.
+
+Run under the shared lock so benchmarks never overlap:
+    flock /tmp/specdecode-bench.lock python bench/bench_attention.py [--quick] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+import specdecode
+from specdecode import ops
+
+HQ, HKV, D = 32, 8, 128
+
+
+def best_time(fn, min_reps: int = 3, budget_s: float = 1.0, sync=None) -> float:
+    fn()
+    if sync:
+        sync()
+    best = float("inf")
+    start = time.perf_counter()
+    reps = 0
+    while reps < min_reps or (time.perf_counter() - start < budget_s and reps < 50):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return best
+
+
+def best_pair(fn_a, fn_b, reps: int = 12, sync=None) -> tuple[float, float]:
+    """Best times of two functions run alternately, so both see the same machine load."""
+    best_a = best_b = float("inf")
+    fn_a()
+    fn_b()
+    for _ in range(reps):
+        for fn, which in ((fn_a, 0), (fn_b, 1)):
+            t0 = time.perf_counter()
+            fn()
+            if sync:
+                sync()
+            dt = time.perf_counter() - t0
+            if which == 0:
+                best_a = min(best_a, dt)
+            else:
+                best_b = min(best_b, dt)
+    return best_a, best_b
+
+
+def machine_figures(device: torch.device, sync) -> tuple[float, float]:
+    """(read GB/s, fp32 matmul GFLOP/s) measured now."""
+    x = torch.empty(128 * 1024 * 1024, dtype=torch.float32, device=device).uniform_()
+    bw = x.numel() * 4 / best_time(x.sum, sync=sync) / 1e9
+    n = 4096 if device.type == "cuda" else 2048
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    peak = 2 * n**3 / best_time(lambda: a @ b, sync=sync) / 1e9
+    return bw, peak
+
+
+def make(batch: int, s: int, t: int, dtype: torch.dtype, device: torch.device):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, t, HQ, D, generator=gen).to(dtype).to(device)
+    k = torch.randn(batch, s + t, HKV, D, generator=gen).to(dtype).to(device)
+    v = torch.randn(batch, s + t, HKV, D, generator=gen).to(dtype).to(device)
+    lens = torch.full((batch,), s, dtype=torch.int32, device=device)
+    mask = torch.ones(batch, 1, t, s + t, dtype=torch.bool, device=device)
+    mask[..., s:] = torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))
+    return q, k, v, lens, mask
+
+
+def naive(q, k, v, mask):
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(group, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, vh).transpose(1, 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="B=1 and T in {1, 64} only")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-naive", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    threads = specdecode.get_num_threads()
+    torch.set_num_threads(threads)
+
+    bw, peak = machine_figures(device, sync)
+    probe = torch.empty(64 * 1024 * 1024, dtype=torch.float32, device=device).uniform_()
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    print(f"# specdecode {specdecode.__version__}, torch {torch.__version__}, threads {threads}")
+    if device.type == "cpu":
+        print(f"# CPU path: {specdecode._C.attention_isa()}")
+    else:
+        print(f"# GPU: {torch.cuda.get_device_name(device)}")
+    print(f"# measured read bandwidth {bw:.1f} GB/s, fp32 matmul {peak:.0f} GFLOP/s")
+    print()
+    print(
+        "| B | S | T | dtype | ours ms | sdpa ms | naive ms | vs sdpa | vs naive "
+        "| ours GB/s (% of read bw GB/s) | ours GFLOP/s (% matmul) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    batches = [1] if args.quick else [1, 8]
+    trees = [1, 64] if args.quick else [1, 4, 16, 64]
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch in batches:
+            for s in (512, 4096):
+                for t in trees:
+                    row = run_case(batch, s, t, dtype, device, sync, probe, bw, peak, args)
+                    print(row, flush=True)
+
+
+def run_case(batch, s, t, dtype, device, sync, probe, bw, peak, args) -> str:
+    q, k, v, lens, mask = make(batch, s, t, dtype, device)
+    t_ours = best_time(lambda: ops.tree_attention(q, k, v, lens), sync=sync)
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    t_sdpa = best_time(
+        lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True),
+        sync=sync,
+    )
+    t_naive = float("nan")
+    if not args.no_naive:
+        t_naive = best_time(lambda: naive(q, k, v, mask), sync=sync)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    flops = 4 * batch * t * HQ * (s + t) * D
+    case_bw = bw
+    if t <= 4:
+        t_ours, t_sum = best_pair(lambda: ops.tree_attention(q, k, v, lens), probe.sum, sync=sync)
+        case_bw = probe.numel() * 4 / t_sum / 1e9
+    gbs = kv_bytes / t_ours / 1e9
+    gfl = flops / t_ours / 1e9
+    name = str(dtype).replace("torch.", "")
+    return (
+        f"| {batch} | {s} | {t} | {name} | {t_ours * 1e3:.3f} | {t_sdpa * 1e3:.3f} | "
+        f"{t_naive * 1e3:.3f} | {t_sdpa / t_ours:.2f}x | {t_naive / t_ours:.2f}x | "
+        f"{gbs:.1f} ({100 * gbs / case_bw:.0f}% of {case_bw:.1f}) | "
+        f"{gfl:.1f} ({100 * gfl / peak:.0f}%) |"
+    )
+
+
+if __name__ == "__main__":
+    main()
