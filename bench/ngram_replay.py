@@ -295,6 +295,48 @@ def run_reference(seqs, ctx, steps, config, max_nodes, max_depth):
 # ---------------------------------------------------------------------------------------------
 
 
+def report(path: str) -> str:
+    """Markdown tables of a results file written with --out."""
+    with open(path) as f:
+        res = json.load(f)
+    cfg = res["config"]
+    lines = [
+        f"Cacheback config: `{cfg['cacheback']}`, tree {cfg['tree_nodes']} nodes / depth "
+        f"{cfg['tree_depth']}, chain {cfg['chain_len']} drafts; {cfg['steps']} replay steps per "
+        f"sequence; baselines on {cfg['baseline_seqs']} sequences x {cfg['baseline_steps']} "
+        f"steps. Load average {res['machine']['load_at_start'][0]:.1f} at start, "
+        f"{res['machine']['load_at_end'][0]:.1f} at end.",
+        "",
+        "| corpus | B | context | method | tokens/step | us/seq/step (wall) | "
+        "us/seq/step (thread CPU) | of which draft (CPU) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    seen = set()
+    for row in res["rows"]:
+        key = (row["corpus"], row["ctx"])
+        for name in ("cacheback-tree-t1", "cacheback-tree-t2", "cacheback-chain-t1"):
+            r = row[name]
+            cpu = f"{r['cpu_us_per_seq_step']:.2f}" if name.endswith("t1") else "n/a (2 threads)"
+            lines.append(
+                f"| {row['corpus']} | {row['batch']} | {row['ctx']} | {name} | "
+                f"{r['tokens_per_step']:.3f} | {r['us_per_seq_step']:.2f} | {cpu} | "
+                f"{r['draft_cpu_us']:.2f} |"
+                if name.endswith("t1")
+                else f"| {row['corpus']} | {row['batch']} | {row['ctx']} | {name} | "
+                f"{r['tokens_per_step']:.3f} | {r['us_per_seq_step']:.2f} | {cpu} | |"
+            )
+        if key in seen:
+            continue
+        seen.add(key)
+        for name, r in row["baselines"].items():
+            lines.append(
+                f"| {row['corpus']} | {cfg['baseline_seqs']} (B=1 calls) | {row['ctx']} | "
+                f"{name} | {r['tokens_per_step']:.3f} | {r['us_per_seq_step']:.2f} | "
+                f"{r['cpu_us_per_seq_step']:.2f} | |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -311,7 +353,11 @@ def main() -> None:
         help="NGramCache options as JSON",
     )
     ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--report", metavar="JSON", help="print markdown tables of a results file")
     args = ap.parse_args()
+    if args.report:
+        print(report(args.report))
+        return
     # Every method on one thread (torch's intra-op pool would otherwise help hf-pld's scans).
     torch.set_num_threads(1)
     # Collections triggered by the bench's own bookkeeping must not land in timed calls; the

@@ -10,6 +10,8 @@
 #include "specdecode/ngram_ops.h"
 #include "specdecode/parallel.h"
 
+#include <unistd.h>
+
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
@@ -59,10 +61,18 @@ void validate_ngram_config(const NGramConfig& c) {
     const TableShape s = TableShape::make(l, f, c.max_leaders, c.max_followers);
     bytes += states * s.words * 4;
   }
-  // A guard against a typo allocating the machine away, not a tuning knob.
-  if (bytes > (int64_t{1} << 36)) {
+  // A guard against a typo (or a forged file) allocating the machine away, not a tuning knob:
+  // the memory is zeroed up front, so an over-committed allocation would get the process killed
+  // instead of raising.
+  int64_t limit = int64_t{1} << 36;
+#ifdef _SC_PHYS_PAGES
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) limit = std::min<int64_t>(limit, int64_t{pages} * page);
+#endif
+  if (bytes > limit) {
     fail("max_leaders/max_followers/max_sequences: the tables would take " +
-         std::to_string(bytes >> 20) + " MiB (more than 64 GiB)");
+         std::to_string(bytes >> 20) + " MiB, more than " + std::to_string(limit >> 20) +
+         " MiB (64 GiB or the machine's physical memory)");
   }
 }
 

@@ -452,7 +452,7 @@ def test_config_errors():
         NGramCache(tables=[(1, 2), (1, 2)])
     with pytest.raises(TypeError, match="tables"):
         NGramCache(tables=[1])
-    with pytest.raises(ValueError, match="64 GiB"):
+    with pytest.raises(ValueError, match="physical memory"):
         NGramCache(max_leaders=1 << 24, max_followers=64, max_sequences=1024)
 
 
