@@ -445,12 +445,14 @@ struct FirstResidualWeight {
   RowWeight<T> weight;
   const Q* qrow;
   float inv_total;
-  SD_HD_INLINE float operator()(int64_t i) const {
+  // From the target weight w = weight(i): a backend that still holds w needs no second exp.
+  SD_HD_INLINE float from_weight(float w, int64_t i) const {
     const float q = load_elem(qrow, i);
-    const float d = fsub(fmul(weight(i), inv_total), fmul(q, 1.f));
+    const float d = fsub(fmul(w, inv_total), fmul(q, 1.f));
     const float r = d > 0.f ? d : 0.f;
     return bad_prob(q) ? bits_to_float(0x7fc00000u) : r;
   }
+  SD_HD_INLINE float operator()(int64_t i) const { return from_weight(weight(i), i); }
 };
 
 // p_L itself (the fallback when the residual has no mass left).
