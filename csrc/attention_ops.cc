@@ -27,8 +27,8 @@ AttnDType attn_dtype(const Array& a) {
   }
 }
 
-void check_no_overflow(const Array& a) {
-  // Element offsets are computed in int64; negative strides would step before the view.
+void check_nonnegative_strides(const Array& a) {
+  // Offsets are computed as sums of index * stride; a negative stride would step before data.
   for (int d = 0; d < a.ndim(); ++d) {
     if (a.stride(d) < 0) {
       throw_value_error(std::string(a.name()) + ": negative strides are not supported");
@@ -51,7 +51,7 @@ void check_caches(const Array& k, const Array& v, int64_t batch) {
           "v_cache: must have the same strides as k_cache (views of buffers of one layout)");
     }
   }
-  check_no_overflow(k);
+  check_nonnegative_strides(k);
 }
 
 void tree_attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
@@ -61,7 +61,7 @@ void tree_attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
   Array q = Array::from_python(q_obj, "q");
   q.expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16}).expect_ndim(4);
   q.expect_inner_contiguous();
-  check_no_overflow(q);
+  check_nonnegative_strides(q);
   const int64_t batch = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3);
   if (t < 1 || t > kMaxTreeNodes) {
     throw_value_error("q: T (dim 1) must be 1 to " + std::to_string(kMaxTreeNodes) + ", got " +

@@ -45,9 +45,7 @@ struct Elem<AttnDType::kBFloat16> {
   static __device__ T store(float f) { return float_to_bf16(f); }
 };
 
-__device__ __forceinline__ int64_t min64(int64_t x, int64_t y) {
-  return x < y ? x : y;
-}
+__device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
 __device__ __forceinline__ float warp_max(float x) {
   for (int o = kWarp / 2; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));

@@ -736,7 +736,7 @@ Shape make_shape(const AttentionArgs& a) {
   sh.words = mask_words(static_cast<int>(sh.t));
   const bool grouped = sh.rows * a.kv_heads <= 128;
   sh.heads = grouped ? a.kv_heads : 1;
-  sh.split_keys = grouped ? 512 : 2048;
+  sh.split_keys = grouped ? 256 : 2048;
   sh.splits = 1;
   return sh;
 }

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import requires_cuda
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_attention import compact_kv_ref, dense_tree_mask, tree_attention_ref
@@ -21,8 +22,6 @@ LSE_TOL = 5e-5  # lse is float32 for every dtype (the inputs are the same rounde
 
 ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2", "generic") if _C.set_attention_isa(isa)]
 _C.set_attention_isa("")
-
-HAS_CUDA = torch.cuda.is_available() and "cuda" in specdecode.info().get("backends", [])
 
 
 @pytest.fixture(params=ISAS)
@@ -119,8 +118,8 @@ def test_gqa_ratios(isa, hq, hkv):
     [(1, 0), (1, 1), (1, 333), (3, 0), (33, 65), (65, 63), (17, 600), (5, 3000), (64, 2100)],
 )
 def test_odd_sizes_chain_and_tree(isa, t, prefix):
-    # 3000 / 2100 exercise several prefix splits (merged with the lse rule); 600 the short splits
-    # of the grouped (few-rows) layout.
+    # 3000 / 2100 exercise several prefix splits (merged with the lse rule); 333 / 600 the short
+    # splits of the grouped (few-rows) layout.
     q, k, v, lens, gen = make_case(1, t, 8, 2, 64, prefix, seed=t + prefix)
     check(q, k, v, lens, None)
     check(q, k, v, lens, ops.tree_info(random_parents(1, t, gen)).mask)
@@ -383,7 +382,7 @@ def test_library_ops_registered():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of specdecode")
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
 @pytest.mark.parametrize("t,prefix", [(1, 0), (1, 4000), (7, 300), (64, 2000), (256, 33)])
@@ -409,7 +408,7 @@ def test_cuda_matches_cpu_and_reference(dtype, d, t, prefix):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of specdecode")
+@requires_cuda
 def test_cuda_compact_kv_and_errors():
     _, k, v, _, _ = make_case(2, 8, 4, 2, 64, [10, 3], torch.bfloat16, strided=True, seed=41)
     lens = torch.tensor([10, 3], dtype=torch.int32)

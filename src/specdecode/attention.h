@@ -29,24 +29,18 @@ SD_HD_INLINE bool attention_head_dim_supported(int64_t d) {
   return d == 64 || d == 80 || d == 96 || d == 128 || d == 256;
 }
 
-SD_HD_INLINE float neg_inf() {
-  return -INFINITY;
-}
+SD_HD_INLINE float neg_inf() { return -INFINITY; }
 
 // The value subtracted before exponentiating. With no finite score seen yet the max is -inf, and
 // -inf - (-inf) would be NaN; subtracting 0 instead makes every masked term 2^-inf = 0.
-SD_HD_INLINE float softmax_reference(float m) {
-  return m == -INFINITY ? 0.0f : m;
-}
+SD_HD_INLINE float softmax_reference(float m) { return m == -INFINITY ? 0.0f : m; }
 
 struct SoftmaxState {
   float m;  // running max of the log2-domain scores (-inf before the first visible key)
   float l;  // running sum of 2^(s - m)
 };
 
-SD_HD_INLINE SoftmaxState softmax_init() {
-  return SoftmaxState{-INFINITY, 0.0f};
-}
+SD_HD_INLINE SoftmaxState softmax_init() { return SoftmaxState{-INFINITY, 0.0f}; }
 
 // Raises the running max to cover a block whose max is block_max. Returns the factor the old
 // accumulator (and the old sum, already applied here) must be multiplied by; the caller then adds

@@ -124,8 +124,9 @@ def tree_attention(
     ``< prefix_lens[b]`` of the cache (dense, unmasked) and to the tree nodes ``j`` stored at
     ``prefix_lens[b] + j`` whose bit is set in row ``i`` of ``tree_mask`` (its ancestors and
     itself, as :func:`specdecode.ops.tree_info` returns). The two parts are computed separately
-    and merged with the log-sum-exp rule; each prefix key is read once per KV head for all
-    ``T x Hq / Hkv`` query rows of that head. Grouped-query attention maps query head ``h`` to KV
+    and merged with the log-sum-exp rule. On the CPU each prefix key is read once per KV head for
+    all ``T x Hq / Hkv`` query rows of that head; on CUDA once per KV head and block of 32 such
+    rows, with the prefix split across thread blocks (flash-decoding) and the splits merged. Grouped-query attention maps query head ``h`` to KV
     head ``h // (Hq / Hkv)``. Positional encodings (RoPE at ``prefix_len + depth``) are the
     caller's job.
 
