@@ -154,3 +154,120 @@ def test_protocol_errors():
         drafter.observe([0], [[1.5]])
     with pytest.raises(ValueError, match="frozen"):
         CachebackDrafter(NGramCache.build([[1, 2, 3]]))
+
+
+# ---- NoDrafter and ModelDrafter -----------------------------------------------------------------
+
+
+def _tiny(seed: int, vocab: int = 29):
+    from reference_engine import tiny_transformer
+
+    return tiny_transformer(seed=seed, vocab_size=vocab, layers=1, max_length=64)
+
+
+def test_no_drafter_proposes_the_root_alone():
+    from specdecode.drafters import NoDrafter
+
+    d = NoDrafter()
+    assert isinstance(d, Drafter)
+    d.start([0, 1], [[5, 6], [7]])
+    tree = d.propose([1, 0])
+    assert tree.tokens.tolist() == [[7], [6]] and tree.num_nodes.tolist() == [1, 1]
+    d.observe([0, 1], [[8, 9], []])
+    assert d.propose([0, 1]).tokens.tolist() == [[9], [7]]
+    with pytest.raises(ValueError, match="empty"):
+        d.start([2], [[]])
+    d.release([0, 1])
+    with pytest.raises(ValueError, match="not open"):
+        d.propose([0])
+
+
+def test_model_drafter_greedy_chain_is_the_draft_models_greedy_continuation():
+    import torch
+    from reference_engine import greedy_reference
+    from specdecode.drafters import ModelDrafter
+
+    model = _tiny(4)
+    d = ModelDrafter(model, k=5)
+    prompts = [[3, 4, 5], [9], [1, 2, 3, 4, 5, 6]]
+    d.start([0, 1, 2], prompts)
+    tree = d.propose([0, 1, 2])
+    assert not hasattr(tree, "draft_probs")  # temperature 0: argmax drafts
+    for b, p in enumerate(prompts):
+        assert tree.tokens[b].tolist() == [p[-1]] + greedy_reference(model, p, 5)
+    assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3, 4]
+    # Commit two drafts and a different token: the cache keeps exactly the matching prefix.
+    drafts = tree.tokens[0, 1:].tolist()
+    wrong = (drafts[2] + 1) % 29
+    d.observe([0, 1, 2], [drafts[:2] + [wrong], [], []])
+    assert d._fed[0] == prompts[0] + drafts[:2]
+    assert int(d.cache.lengths[0]) == len(d._fed[0])
+    # The next chain continues from the committed sequence exactly as a fresh drafter would.
+    fresh = ModelDrafter(model, k=5)
+    fresh.start([0], [prompts[0] + drafts[:2] + [wrong]])
+    torch.testing.assert_close(d.propose([0]).tokens, fresh.propose([0]).tokens)
+
+
+def test_model_drafter_sampled_chain_records_its_distribution():
+    from specdecode.drafters import ModelDrafter, SampledDraftTree
+
+    d = ModelDrafter(_tiny(5), k=3)
+    d.start([0, 1], [[1, 2], [3]])
+    d.configure([0, 1], temperature=[1.0, 0.7], top_k=[0, 5], top_p=[1.0, 0.9], seed=[1, 2])
+    tree = d.propose([0, 1])
+    assert isinstance(tree, SampledDraftTree)
+    q = tree.draft_probs
+    assert q.shape == (2, 4, 29)
+    sums = q[:, :3].sum(-1)
+    assert bool(((sums - 1).abs() < 1e-5).all()) and bool((q[:, 3] == 0).all())
+    for b in range(2):
+        for i in range(3):
+            assert float(q[b, i, int(tree.tokens[b, i + 1])]) > 0  # drawn from q
+    assert int((q[1, 0] > 0).sum()) <= 5  # top-k 5
+    # Same seed and committed state: same draft.
+    d2 = ModelDrafter(_tiny(5), k=3)
+    d2.start([0, 1], [[1, 2], [3]])
+    d2.configure([0, 1], temperature=[1.0, 0.7], top_k=[0, 5], top_p=[1.0, 0.9], seed=[1, 2])
+    assert d2.propose([0, 1]).tokens.tolist() == tree.tokens.tolist()
+
+
+def test_model_drafter_tree_is_a_valid_budgeted_tree_holding_the_greedy_path():
+    from reference_engine import greedy_reference
+    from specdecode.drafters import ModelDrafter
+
+    model = _tiny(6)
+    d = ModelDrafter(model, mode="tree", k=4, branch=3, beam=3, max_nodes=12)
+    prompts = [[1, 2, 3], [7, 7]]
+    d.start([0, 1], prompts)
+    tree = d.propose([0, 1])
+    info = tree_info(tree.parents)
+    assert info.num_nodes.tolist() == tree.num_nodes.tolist() == [12, 12]
+    assert int(info.depth.max()) <= 4
+    for b, p in enumerate(prompts):
+        # The draft model's greedy continuation is the top-1 path, so it is in the tree.
+        greedy = greedy_reference(model, p, 2)
+        kids = [i for i in range(12) if int(tree.parents[b, i]) == 0]
+        first = [i for i in kids if int(tree.tokens[b, i]) == greedy[0]]
+        assert first
+        assert any(
+            int(tree.parents[b, i]) == first[0] and int(tree.tokens[b, i]) == greedy[1]
+            for i in range(12)
+        )
+    assert d._fed[0] == prompts[0][:-1]  # drafting left only committed tokens in the cache
+    assert int(d.cache.lengths[0]) == 2
+
+
+def test_model_drafter_errors():
+    from specdecode.drafters import ModelDrafter
+
+    with pytest.raises(TypeError, match="CausalLM"):
+        ModelDrafter(object())
+    with pytest.raises(ValueError, match="mode"):
+        ModelDrafter(_tiny(1), mode="beam")
+    with pytest.raises(ValueError, match="k"):
+        ModelDrafter(_tiny(1), k=0)
+    d = ModelDrafter(_tiny(1))
+    with pytest.raises(ValueError, match="vocabulary"):
+        d.start([0], [[1, 29]])
+    with pytest.raises(ValueError, match="not open"):
+        d.propose([0])

@@ -6,19 +6,27 @@ and a thin Python layer around them. The kernels are in :mod:`specdecode.ops`.
 
 from __future__ import annotations
 
-from . import ops
+from . import drafters, engine, models, ops
 from ._info import get_num_threads, info, set_num_threads
+from .engine import GenerationOutput, GenerationStats, SpeculativeDecoder, generate
 from .ops import PAD_TOKEN, TreeInfo, chain_parents, tree_info, tree_paths
 
 __version__: str = info()["version"]
 
 __all__ = [
+    "GenerationOutput",
+    "GenerationStats",
     "PAD_TOKEN",
+    "SpeculativeDecoder",
     "TreeInfo",
     "__version__",
     "chain_parents",
+    "drafters",
+    "engine",
+    "generate",
     "get_num_threads",
     "info",
+    "models",
     "ops",
     "set_num_threads",
     "tree_info",

@@ -16,14 +16,22 @@ batch. Sequences live in *slots* (``0 <= slot < max_sequences``) for as long as 
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 import torch
 
-from .ops import DraftTree, NGramCache
+from . import ops
+from .ops import DraftTree, NGramCache, tree_info
 
-__all__ = ["CachebackDrafter", "Drafter", "longest_accepted_path"]
+__all__ = [
+    "CachebackDrafter",
+    "Drafter",
+    "ModelDrafter",
+    "NoDrafter",
+    "SampledDraftTree",
+    "longest_accepted_path",
+]
 
 
 @runtime_checkable
@@ -255,3 +263,519 @@ def longest_accepted_path(tree: DraftTree, row: int, continuation: Sequence[int]
         accepted.append(int(tok))
         node = nxt
     return accepted
+
+
+# ---- drafts that carry the distribution they were sampled from ---------------------------------
+
+
+class SampledDraftTree(NamedTuple):
+    """A :class:`~specdecode.ops.DraftTree` plus the distributions its tokens were sampled from.
+
+    The first three fields are those of ``DraftTree``, so code that reads only the tree treats
+    both alike; the engine passes ``draft_probs`` to :func:`specdecode.ops.verify`, which makes
+    the verification of *sampled* drafts lossless.
+
+    Attributes
+    ----------
+    tokens, parents, num_nodes : torch.Tensor
+        As in :class:`~specdecode.ops.DraftTree` (int32 ``[B, N]``, ``[B, N]``, ``[B]``).
+    draft_probs : torch.Tensor
+        float32 ``[B, N, V]``: row ``[b, i]`` is the distribution node ``i``'s children were
+        sampled from (zeros for leaves, whose rows are never read).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+    draft_probs: torch.Tensor
+
+
+# ---- the autoregressive baseline ----------------------------------------------------------------
+
+
+class NoDrafter:
+    """Proposes nothing: every step is one plain autoregressive target step (the baseline).
+
+    Each tree is the root alone, so the engine's verification emits exactly the target's own
+    next token, sampled with the same randomness as :func:`specdecode.ops.sample`.
+    """
+
+    def __init__(self, max_sequences: int = 1 << 20) -> None:
+        self.max_sequences = int(max_sequences)
+        self._root: dict[int, int] = {}
+
+    def start(self, slots: Sequence[int], prompts: Sequence[Any]) -> None:
+        slots_l = [int(s) for s in slots]
+        rows = _token_rows(prompts, "prompts", len(slots_l))
+        for slot, row in zip(slots_l, rows):
+            if slot in self._root:
+                raise ValueError(f"slots: slot {slot} is already open (release it)")
+            if row.size == 0:
+                raise ValueError("prompts: a prompt is empty; a sequence needs a first token")
+            self._root[slot] = int(row[-1])
+
+    def propose(self, slots: Sequence[int]) -> DraftTree:
+        slots_l = [int(s) for s in slots]
+        missing = [s for s in slots_l if s not in self._root]
+        if missing:
+            raise ValueError(f"slots: slot {missing[0]} is not open (call start first)")
+        batch = len(slots_l)
+        tokens = torch.tensor([[self._root[s]] for s in slots_l], dtype=torch.int32)
+        return DraftTree(
+            tokens.reshape(batch, 1),
+            torch.full((batch, 1), -1, dtype=torch.int32),
+            torch.ones(batch, dtype=torch.int32),
+        )
+
+    def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
+        rows = _token_rows(committed, "committed", len(slots))
+        for slot, row in zip(slots, rows):
+            if int(slot) not in self._root:
+                raise ValueError(f"slots: slot {int(slot)} is not open (call start first)")
+            if row.size:
+                self._root[int(slot)] = int(row[-1])
+
+    def release(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            if self._root.pop(int(slot), None) is None:
+                raise ValueError(f"slots: slot {int(slot)} is not open")
+
+
+# ---- a draft model ------------------------------------------------------------------------------
+
+# Draft randomness must be independent of the verifier's: both use Philox keyed by (seed, offset),
+# so the drafter keys its draws with the sequence's seed moved by an odd constant per depth (the
+# verifier uses the seed itself). Within a sequence no two draws share a key.
+_DRAFT_SEED_STEP = 0x9E3779B97F4A7C15
+
+
+def _draft_seed(seed: torch.Tensor, depth: int) -> torch.Tensor:
+    """int64 ``[B]``: the Philox key of depth ``depth``'s draws (wraps modulo 2**64)."""
+    step = (_DRAFT_SEED_STEP * (depth + 1)) % (1 << 64)
+    out = []
+    for s in seed.tolist():
+        v = (s + step) % (1 << 64)
+        out.append(v - (1 << 64) if v >= 1 << 63 else v)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _sampling_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """float32 ``[R, V]``: the distribution a drafter samples from, per row.
+
+    Temperature 0 gives the one-hot of the argmax; otherwise softmax(logits / temperature)
+    restricted to the top-k logits (ties kept) and then to the smallest most-likely set whose
+    mass reaches top_p. Only consistency matters for losslessness (the draw must follow exactly
+    the returned rows), not equality with the target's processing.
+    """
+    x = logits.float()
+    rows, vocab = x.shape
+    greedy = temperature <= 0
+    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    x = x / safe_t.unsqueeze(1)
+    k = torch.where((top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
+    kth = torch.sort(x, dim=1, descending=True).values.gather(1, (k.long() - 1).unsqueeze(1))
+    x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=1)
+    ordered, order = torch.sort(probs, dim=1, descending=True)
+    before = torch.cumsum(ordered, dim=1) - ordered
+    drop_sorted = before >= top_p.unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(dim=1, keepdim=True)
+    onehot = torch.zeros_like(probs).scatter(1, logits.float().argmax(dim=1, keepdim=True), 1.0)
+    return torch.where(greedy.unsqueeze(1), onehot, probs)
+
+
+class ModelDrafter:
+    """Drafts with an independent small causal LM driven through the CausalLM protocol.
+
+    Parameters
+    ----------
+    model : CausalLM
+        The draft model (e.g. :class:`~specdecode.models.Transformer` or
+        :class:`~specdecode.models.HFCausalLM`); its vocabulary must be the target's.
+    mode : str
+        ``"chain"``: ``k`` tokens, one model step each. ``"tree"``: a dynamic tree (EAGLE-2 style):
+        at each depth the ``beam`` nodes of highest cumulative log-probability are expanded with
+        their ``branch`` most likely tokens; after ``k`` depths the ``max_nodes - 1`` best nodes
+        of all expanded ones form the tree (one tree-attention forward per depth).
+    k : int
+        Draft depth (``>= 1``).
+    sample : bool
+        Chain mode: sample each draft token from the drafter's distribution (processed with the
+        sequence's temperature / top-k / top-p) and return it as ``draft_probs`` so that
+        verification stays lossless; False drafts the argmax. Tree drafts are always the top
+        tokens (deterministic children, verified losslessly without ``draft_probs``).
+    branch, beam : int
+        Tree mode: children per expanded node and nodes expanded per depth.
+    max_nodes : int
+        Tree mode: nodes of the tree, root included (``2 .. 1024``).
+    max_length : int, optional
+        Tokens per sequence the drafter's KV cache holds (default: the model's max length).
+        Drafts are shortened where a sequence nears it.
+
+    Notes
+    -----
+    The drafter's cache holds, per slot, the sequence's committed tokens except the last (the
+    root of the next draft), as the engine's target cache does. Draft tokens written into it
+    while drafting are kept only where the committed tokens turn out to equal them (their K/V are
+    then exactly what feeding the committed tokens would give); the rest is truncated away when
+    :meth:`observe` hands over the committed tokens.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        mode: str = "chain",
+        k: int = 4,
+        sample: bool = True,
+        branch: int = 4,
+        beam: int = 4,
+        max_nodes: int = 16,
+        max_length: Optional[int] = None,
+    ) -> None:
+        for attr in ("forward", "new_cache", "vocab_size", "max_length", "device"):
+            if not hasattr(model, attr):
+                raise TypeError(
+                    f"model: expected a CausalLM (specdecode.models), it has no {attr!r}"
+                )
+        if mode not in ("chain", "tree"):
+            raise ValueError(f"mode: expected 'chain' or 'tree', got {mode!r}")
+        for name, value, lo, hi in (
+            ("k", k, 1, 1023),
+            ("branch", branch, 1, 64),
+            ("beam", beam, 1, 1024),
+            ("max_nodes", max_nodes, 2, 1024),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            if not lo <= value <= hi:
+                raise ValueError(f"{name}: expected {lo} to {hi}, got {value}")
+        self.model = model
+        self.mode = mode
+        self.k = k
+        self.sample = bool(sample)
+        self.branch = branch
+        self.beam = beam
+        self.max_nodes = max_nodes
+        self.max_length = int(max_length) if max_length is not None else int(model.max_length)
+        if not 2 <= self.max_length <= int(model.max_length):
+            raise ValueError(
+                f"max_length: expected 2 to the model's max length {model.max_length}, "
+                f"got {max_length}"
+            )
+        self.cache: Any = None
+        self._seq: dict[int, list[int]] = {}  # committed tokens per open slot
+        self._fed: dict[int, list[int]] = {}  # tokens whose K/V the cache row holds
+        self._temperature: dict[int, float] = {}
+        self._top_k: dict[int, int] = {}
+        self._top_p: dict[int, float] = {}
+        self._seed: dict[int, int] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
+    @property
+    def max_sequences(self) -> int:
+        return 1 << 20 if self.cache is None or not self._seq else self.cache.batch_size
+
+    # ---- protocol ------------------------------------------------------------------------------
+
+    def start(self, slots: Sequence[int], prompts: Sequence[Any]) -> None:
+        """Opens slots with their prompts (fed lazily, with the first draft)."""
+        slots_l = [int(s) for s in slots]
+        rows = _token_rows(prompts, "prompts", len(slots_l))
+        if len(set(slots_l)) != len(slots_l) or any(s < 0 for s in slots_l):
+            raise ValueError("slots: expected distinct slots >= 0")
+        for slot, row in zip(slots_l, rows):
+            if slot in self._seq:
+                raise ValueError(f"slots: slot {slot} is already open (release it)")
+            if row.size == 0:
+                raise ValueError("prompts: a prompt is empty; a sequence needs a first token")
+            if row.size and int(row.max()) >= self.vocab_size:
+                raise ValueError(
+                    f"prompts: token id {int(row.max())} is outside the drafter's vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        need = max(slots_l, default=-1) + 1
+        if self.cache is None or (not self._seq and self.cache.batch_size < need):
+            self.cache = self.model.new_cache(max(need, 1), self.max_length)
+        elif self.cache.batch_size < need:
+            raise ValueError(
+                f"slots: slot {need - 1} does not fit the drafter's cache of "
+                f"{self.cache.batch_size} rows while other slots are open"
+            )
+        lengths = self.cache.lengths.to("cpu", torch.int64).clone()
+        for slot, row in zip(slots_l, rows):
+            self._seq[slot] = row.tolist()
+            self._fed[slot] = []
+            self._temperature[slot], self._top_k[slot], self._top_p[slot] = 0.0, 0, 1.0
+            self._seed[slot] = 0
+            lengths[slot] = 0
+        self.cache.truncate(lengths)
+
+    def configure(
+        self,
+        slots: Sequence[int],
+        *,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        seed: Sequence[int],
+    ) -> None:
+        """Sets each slot's sampling parameters (the engine passes the target's)."""
+        for i, slot in enumerate(slots):
+            slot = int(slot)
+            if slot not in self._seq:
+                raise ValueError(f"slots: slot {slot} is not open (call start first)")
+            self._temperature[slot] = float(temperature[i])
+            self._top_k[slot] = int(top_k[i])
+            self._top_p[slot] = float(top_p[i])
+            self._seed[slot] = int(seed[i])
+
+    def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
+        """Appends committed tokens and truncates the cache to what still matches them."""
+        rows = _token_rows(committed, "committed", len(slots))
+        lengths = self.cache.lengths.to("cpu", torch.int64).clone()
+        for slot, row in zip(slots, rows):
+            slot = int(slot)
+            if slot not in self._seq:
+                raise ValueError(f"slots: slot {slot} is not open (call start first)")
+            seq = self._seq[slot]
+            seq.extend(row.tolist())
+            fed = self._fed[slot]
+            keep = 0
+            limit = min(len(fed), len(seq) - 1)
+            while keep < limit and fed[keep] == seq[keep]:
+                keep += 1
+            del fed[keep:]
+            lengths[slot] = keep
+        self.cache.truncate(lengths)
+
+    def release(self, slots: Sequence[int]) -> None:
+        lengths = self.cache.lengths.to("cpu", torch.int64).clone() if self.cache else None
+        for slot in slots:
+            slot = int(slot)
+            if self._seq.pop(slot, None) is None:
+                raise ValueError(f"slots: slot {slot} is not open")
+            del self._fed[slot]
+            if lengths is not None:
+                lengths[slot] = 0
+        if lengths is not None:
+            self.cache.truncate(lengths)
+
+    def propose(self, slots: Sequence[int]) -> Union[DraftTree, SampledDraftTree]:
+        """Drafts a chain or a tree per slot (see the class docstring)."""
+        slots_l = [int(s) for s in slots]
+        for slot in slots_l:
+            if slot not in self._seq:
+                raise ValueError(f"slots: slot {slot} is not open (call start first)")
+        if not slots_l:
+            empty = torch.zeros((0, 1), dtype=torch.int32)
+            return DraftTree(empty, empty.clone(), torch.zeros(0, dtype=torch.int32))
+        if self.mode == "chain":
+            return self._propose_chain(slots_l)
+        return self._propose_tree(slots_l)
+
+    # ---- model steps ---------------------------------------------------------------------------
+
+    def _forward_rows(
+        self,
+        slots: list[int],
+        rows: list[list[int]],
+        positions: Optional[list[list[int]]] = None,
+        parents: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Feeds ``rows[i]`` to cache row ``slots[i]`` (a chain, or a tree with ``parents``).
+
+        Every cache row takes part in the forward pass (the protocol is batched over the whole
+        cache); rows not fed get one padding token that is truncated away again, as are the
+        padding tokens of shorter rows. Returns logits ``[len(slots), T, V]``.
+        """
+        cache = self.cache
+        before = cache.lengths.to("cpu", torch.int64).clone()
+        width = max(len(r) for r in rows)
+        total = cache.batch_size
+        ids = torch.zeros((total, width), dtype=torch.int64)
+        pos = before.unsqueeze(1) + torch.arange(width).unsqueeze(0)
+        after = before.clone()
+        for i, slot in enumerate(slots):
+            ids[slot, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.int64)
+            if positions is not None:
+                pos[slot, : len(rows[i])] = torch.tensor(positions[i], dtype=torch.int64)
+            after[slot] += len(rows[i])
+        mask = None
+        if parents is not None:
+            full = torch.full((total, width), -1, dtype=torch.int32)
+            full[:, 0] = -1
+            full[slots, : parents.shape[1]] = parents
+            mask = tree_info(full).mask
+        device = self.model.device
+        logits = self.model.forward(
+            ids.to(device),
+            pos.to(device),
+            cache,
+            tree_mask=None if mask is None else mask.to(device),
+        )
+        cache.truncate(after)
+        return logits[torch.tensor(slots, device=logits.device)]
+
+    def _room(self, slots: list[int], per_depth: int) -> int:
+        """Draft depth whose forward passes fit every slot's cache row and position range.
+
+        The widest pass holds the root plus ``per_depth`` nodes per depth on top of the
+        committed prefix (a chain adds one node per depth, a tree pass up to ``beam``).
+        """
+        longest = max(len(self._seq[s]) for s in slots)
+        room = (self.max_length - longest) // per_depth
+        return max(0, min(self.k, room))
+
+    def _catch_up(self, slots: list[int]) -> torch.Tensor:
+        """Feeds each slot's committed tokens missing from its cache, the root included;
+        returns the logits at the root ``[B, V]``."""
+        pending = [self._seq[s][len(self._fed[s]) :] for s in slots]
+        logits = self._forward_rows(slots, pending)
+        last = torch.tensor([len(p) - 1 for p in pending], device=logits.device)
+        for s, p in zip(slots, pending):
+            self._fed[s].extend(p)
+        return logits[torch.arange(len(slots), device=logits.device), last]
+
+    def _sampling(self, slots: list[int]) -> tuple[torch.Tensor, ...]:
+        t = torch.tensor([self._temperature[s] for s in slots], dtype=torch.float32)
+        k = torch.tensor([self._top_k[s] for s in slots], dtype=torch.int64)
+        p = torch.tensor([self._top_p[s] for s in slots], dtype=torch.float32)
+        seed = torch.tensor([self._seed[s] for s in slots], dtype=torch.int64)
+        return t, k, p, seed
+
+    def _propose_chain(self, slots: list[int]) -> Union[DraftTree, SampledDraftTree]:
+        batch = len(slots)
+        roots = [self._seq[s][-1] for s in slots]
+        depth = self._room(slots, 1)
+        temperature, top_k, top_p, seed = self._sampling(slots)
+        sampled = self.sample and bool((temperature > 0).any())
+        vocab = self.vocab_size
+        tokens = torch.full((batch, depth + 1), -1, dtype=torch.int32)
+        tokens[:, 0] = torch.tensor(roots, dtype=torch.int32)
+        probs = torch.zeros((batch, depth + 1, vocab), dtype=torch.float32) if sampled else None
+        if depth > 0:
+            logits = self._catch_up(slots)
+            # Offsets: the sequence's committed length, as the verifier's, with per-depth seeds.
+            offset = torch.tensor([len(self._seq[s]) for s in slots], dtype=torch.int64)
+            for d in range(depth):
+                row_logits = logits.float().cpu()
+                if sampled:
+                    q = _sampling_probs(row_logits, temperature, top_k, top_p)
+                    draw = ops.sample(
+                        q, 1.0, seed=_draft_seed(seed, d), offset=offset, target_is_logits=False
+                    )
+                    nxt = draw.tokens
+                    probs[:, d] = q
+                else:
+                    nxt = row_logits.argmax(dim=1).to(torch.int32)
+                tokens[:, d + 1] = nxt
+                if d + 1 < depth:
+                    step = [[int(x)] for x in nxt]
+                    logits = self._forward_rows(slots, step)[:, 0]
+                    for s, x in zip(slots, step):
+                        self._fed[s].extend(x)
+        parents = ops.chain_parents(batch, depth).to(torch.int32)
+        num_nodes = torch.full((batch,), depth + 1, dtype=torch.int32)
+        if probs is None:
+            return DraftTree(tokens, parents, num_nodes)
+        return SampledDraftTree(tokens, parents, num_nodes, probs)
+
+    def _propose_tree(self, slots: list[int]) -> DraftTree:
+        batch = len(slots)
+        roots = [self._seq[s][-1] for s in slots]
+        depth_limit = self._room(slots, self.beam)
+        # Pool of candidate nodes per row: token, parent (pool index), depth, cumulative log p.
+        pool_tok = [[r] for r in roots]
+        pool_par = [[-1] for _ in slots]
+        pool_dep = [[0] for _ in slots]
+        pool_score = [[0.0] for _ in slots]
+        frontier = [[0] for _ in slots]
+        if depth_limit > 0:
+            logits = self._catch_up(slots).float().cpu().unsqueeze(1)  # [B, 1, V]
+            # The root's K/V is re-fed with every subtree below (node 0 of each tree pass).
+            lengths = self.cache.lengths.to("cpu", torch.int64).clone()
+            for s in slots:
+                self._fed[s].pop()
+                lengths[s] -= 1
+            self.cache.truncate(lengths)
+        for d in range(depth_limit):
+            logp = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(logp, min(self.branch, logp.shape[-1]), dim=-1)
+            new_frontier = []
+            for b in range(batch):
+                cand = []
+                for f, node in enumerate(frontier[b]):
+                    for j in range(top.indices.shape[2]):
+                        pool_tok[b].append(int(top.indices[b, f, j]))
+                        pool_par[b].append(node)
+                        pool_dep[b].append(d + 1)
+                        pool_score[b].append(pool_score[b][node] + float(top.values[b, f, j]))
+                        cand.append(len(pool_tok[b]) - 1)
+                cand.sort(key=lambda i, b=b: -pool_score[b][i])
+                new_frontier.append(cand[: self.beam])
+            frontier = new_frontier
+            if d + 1 == depth_limit:
+                break
+            logits = self._score_frontier(slots, pool_tok, pool_par, pool_dep, frontier)
+        return self._select(batch, pool_tok, pool_par, pool_dep, pool_score)
+
+    def _score_frontier(self, slots, pool_tok, pool_par, pool_dep, frontier) -> torch.Tensor:
+        """One tree-attention pass over root + the frontier and its ancestors; truncated after.
+
+        Returns the frontier's logits ``[B, F, V]`` (F = the widest frontier; short rows padded
+        by repeating their last node).
+        """
+        rows, positions, parent_rows, where = [], [], [], []
+        for b, s in enumerate(slots):
+            keep: set[int] = {0}
+            for node in frontier[b]:
+                while node not in keep:
+                    keep.add(node)
+                    node = pool_par[b][node]
+            nodes = sorted(keep)  # pool order: parents before children
+            index = {node: i for i, node in enumerate(nodes)}
+            rows.append([pool_tok[b][n] for n in nodes])
+            base = len(self._fed[s])
+            positions.append([base + pool_dep[b][n] for n in nodes])
+            parent_rows.append([index.get(pool_par[b][n], -1) for n in nodes])
+            where.append([index[n] for n in frontier[b]])
+        width = max(len(r) for r in rows)
+        parents = torch.full((len(slots), width), -1, dtype=torch.int32)
+        for b, pr in enumerate(parent_rows):
+            parents[b, : len(pr)] = torch.tensor(pr, dtype=torch.int32)
+        before = self.cache.lengths.to("cpu", torch.int64).clone()
+        logits = self._forward_rows(slots, rows, positions, parents).float().cpu()
+        self.cache.truncate(before)
+        f = max(len(w) for w in where)
+        idx = torch.tensor([w + [w[-1]] * (f - len(w)) for w in where])
+        return logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+
+    def _select(self, batch, pool_tok, pool_par, pool_dep, pool_score) -> DraftTree:
+        """The best ``max_nodes - 1`` pool nodes per row (plus the root) as a draft tree.
+
+        Ranking by (score desc, depth asc) keeps the set ancestor-closed: a child's cumulative
+        log-probability never exceeds its parent's, and a tie ranks the shallower parent first.
+        """
+        width = min(self.max_nodes, max(len(t) for t in pool_tok))
+        tokens = torch.full((batch, width), -1, dtype=torch.int32)
+        parents = torch.full((batch, width), -1, dtype=torch.int32)
+        num_nodes = torch.zeros(batch, dtype=torch.int32)
+        for b in range(batch):
+            ranked = sorted(
+                range(1, len(pool_tok[b])), key=lambda i, b=b: (-pool_score[b][i], pool_dep[b][i])
+            )
+            nodes = [0] + sorted(ranked[: self.max_nodes - 1])
+            index = {node: i for i, node in enumerate(nodes)}
+            for i, node in enumerate(nodes):
+                tokens[b, i] = pool_tok[b][node]
+                parents[b, i] = index[pool_par[b][node]] if node else -1
+            num_nodes[b] = len(nodes)
+        return DraftTree(tokens, parents, num_nodes)

@@ -1,0 +1,703 @@
+"""The speculative decoding loop: draft, verify in one target pass, accept, commit, repeat.
+
+:class:`SpeculativeDecoder` drives a target :class:`~specdecode.models.CausalLM` and a drafter
+(:mod:`specdecode.drafters`) over a batch of prompts. Every step, for every unfinished sequence:
+
+1. **draft**: the drafter proposes a tree whose root is the last committed token;
+2. **tree input**: tokens, positions ``prefix_len + depth`` and the ancestor mask of
+   :func:`specdecode.ops.tree_info`;
+3. **target forward**: one pass of the target over all trees of the batch;
+4. **verify**: :func:`specdecode.ops.verify` walks each tree with the target's logits (and the
+   draft probabilities where the drafter sampled) and emits the accepted drafts plus one
+   correction or bonus token;
+5. **accept**: the target cache keeps only the root-to-accepted-node path (``cache.compact``);
+6. **commit**: emitted tokens are appended, cut at stop tokens and at ``max_new_tokens``;
+7. **update drafters**: the drafter observes the committed tokens (never rejected drafts).
+
+Invariant: the target cache of a sequence holds its committed tokens except the last one, which
+is the root of the next tree and is scored by the next forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from . import ops
+from .drafters import Drafter, NoDrafter
+
+__all__ = ["GenerationOutput", "GenerationStats", "SpeculativeDecoder", "generate"]
+
+_METHODS = ("exact", "greedy", "typical", "relaxed", "topk_accept")
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """What a :meth:`SpeculativeDecoder.generate` call did.
+
+    Attributes
+    ----------
+    steps : int
+        Decoding steps (target forward passes after the prefill).
+    row_steps : int
+        Sum over steps of the sequences still running (what the mean below is taken over).
+    new_tokens : int
+        Tokens generated over all sequences.
+    accepted_by_position : list of float
+        Entry ``d - 1``: of the row-steps whose draft reached depth ``d``, the fraction in which
+        the draft token at depth ``d`` was accepted.
+    draft_time, verify_time, bookkeeping_time, prefill_time, wall_time : float
+        Seconds: drafting (propose + tree pruning), the target forward over the trees plus
+        :func:`~specdecode.ops.verify`, everything else in the loop (cache compaction, commit,
+        drafter updates), the prompt prefill, and the whole call.
+    """
+
+    steps: int = 0
+    row_steps: int = 0
+    new_tokens: int = 0
+    accepted_by_position: list[float] = dataclasses.field(default_factory=list)
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    bookkeeping_time: float = 0.0
+    prefill_time: float = 0.0
+    wall_time: float = 0.0
+    _offered: list[int] = dataclasses.field(default_factory=list, repr=False)
+    _accepted: list[int] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens committed per sequence per step (1.0 for plain decoding)."""
+        return self.new_tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of wall time (all sequences together)."""
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def _record(self, depths: np.ndarray, accepted: np.ndarray) -> None:
+        deepest = int(depths.max()) if depths.size else 0
+        while len(self._offered) < deepest:
+            self._offered.append(0)
+            self._accepted.append(0)
+        for d in range(1, deepest + 1):
+            self._offered[d - 1] += int((depths >= d).sum())
+            self._accepted[d - 1] += int((accepted >= d).sum())
+        pairs = zip(self._accepted, self._offered)
+        self.accepted_by_position = [a / o if o else 0.0 for a, o in pairs]
+
+    def summary(self) -> str:
+        """One line: steps, tokens/step, tokens/s and the time split."""
+        return (
+            f"{self.new_tokens} tokens in {self.steps} steps "
+            f"({self.tokens_per_step:.2f} tokens/step, {self.tokens_per_second:.1f} tokens/s); "
+            f"prefill {self.prefill_time:.3f}s, draft {self.draft_time:.3f}s, "
+            f"verify {self.verify_time:.3f}s, bookkeeping {self.bookkeeping_time:.3f}s"
+        )
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    """Result of :meth:`SpeculativeDecoder.generate`.
+
+    Attributes
+    ----------
+    sequences : list of list of int
+        The generated tokens of each prompt (the prompt not included), stop token included.
+    finish_reasons : list of str
+        Per prompt: ``"stop"`` (a stop/EOS token), ``"length"`` (``max_new_tokens``).
+    stats : GenerationStats
+        Counters and timings of the call.
+    """
+
+    sequences: list[list[int]]
+    finish_reasons: list[str]
+    stats: GenerationStats
+
+    def padded(self, pad: int = ops.PAD_TOKEN) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens int64 [B, max_len] padded with pad, lengths int64 [B])``."""
+        lengths = torch.tensor([len(s) for s in self.sequences], dtype=torch.int64)
+        width = int(lengths.max()) if len(self.sequences) else 0
+        out = torch.full((len(self.sequences), width), pad, dtype=torch.int64)
+        for b, seq in enumerate(self.sequences):
+            out[b, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
+        return out, lengths
+
+
+def _per_row(value: Any, name: str, batch: int, kind: type) -> list:
+    if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
+        items = value.tolist() if hasattr(value, "tolist") else list(value)
+        if len(items) != batch:
+            raise ValueError(f"{name}: expected one value per prompt ({batch}), got {len(items)}")
+    else:
+        items = [value] * batch
+    out = []
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name}: expected a number or one per prompt, got {v!r}")
+        if kind is int and not float(v).is_integer():
+            raise TypeError(f"{name}: expected ints, got {v!r}")
+        out.append(kind(v))
+    return out
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Loop state: committed tokens and progress of every sequence."""
+
+    tokens: list[list[int]]  # prompt + generated, per row
+    prompt_lens: list[int]
+    max_new: int
+    done: list[bool]
+    reasons: list[str]
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+
+    @property
+    def active(self) -> list[int]:
+        return [b for b, d in enumerate(self.done) if not d]
+
+    def generated(self, b: int) -> int:
+        return len(self.tokens[b]) - self.prompt_lens[b]
+
+
+@dataclasses.dataclass
+class _Tree:
+    tokens: torch.Tensor  # int32 [B, N], -1 padding
+    parents: torch.Tensor  # int32 [B, N]
+    num_nodes: torch.Tensor  # int32 [B]
+    draft_probs: Optional[torch.Tensor]  # float [B, N, V] or None
+    depth: torch.Tensor  # int32 [B, N], -1 padding
+    mask: torch.Tensor  # uint32 [B, N, W]
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of a target model with a drafter, for batches of prompts.
+
+    Parameters
+    ----------
+    target : CausalLM
+        The model whose output distribution is preserved (:class:`~specdecode.models.Transformer`,
+        :class:`~specdecode.models.HFCausalLM` or any :class:`~specdecode.models.CausalLM`).
+    drafter : Drafter, optional
+        Proposes draft trees (:mod:`specdecode.drafters`); default :class:`NoDrafter` (plain
+        autoregressive decoding through the same loop).
+    method : str
+        Verification rule of :func:`specdecode.ops.verify`: ``"exact"`` (lossless, default),
+        ``"greedy"``, or the lossy ``"typical"``, ``"relaxed"``, ``"topk_accept"``. Sequences with
+        temperature 0 are verified greedily whatever the method.
+    max_nodes : int
+        Largest tree (root included) scored per sequence and step; bigger drafts are pruned
+        (the target cache reserves this many slots beyond the longest sequence).
+    progress : bool
+        Show a progress bar of generated tokens (tqdm if installed, else a line on stderr).
+    **verify_options
+        ``eps``, ``alpha``, ``topk_accept``, ``correction`` for the lossy methods.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        drafter: Optional[Drafter] = None,
+        *,
+        method: str = "exact",
+        max_nodes: int = 64,
+        progress: bool = False,
+        **verify_options: Any,
+    ) -> None:
+        for attr in ("forward", "new_cache", "vocab_size", "max_length", "device"):
+            if not hasattr(target, attr):
+                raise TypeError(
+                    f"target: expected a CausalLM (specdecode.models), it has no {attr!r}"
+                )
+        if drafter is None:
+            drafter = NoDrafter()
+        for attr in ("start", "propose", "observe", "release"):
+            if not callable(getattr(drafter, attr, None)):
+                raise TypeError(f"drafter: expected a Drafter, it has no {attr}() method")
+        if method not in _METHODS:
+            raise ValueError(f"method: expected one of {list(_METHODS)}, got {method!r}")
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int):
+            raise TypeError(f"max_nodes: expected an int, got {type(max_nodes).__name__}")
+        if not 1 <= max_nodes <= ops.MAX_TREE_NODES:
+            raise ValueError(f"max_nodes: expected 1 to {ops.MAX_TREE_NODES}, got {max_nodes}")
+        unknown = set(verify_options) - {"eps", "alpha", "topk_accept", "correction"}
+        if unknown:
+            raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+        drafter_vocab = getattr(drafter, "vocab_size", None)
+        if drafter_vocab is not None and int(drafter_vocab) != int(target.vocab_size):
+            raise ValueError(
+                f"drafter: its vocabulary has {drafter_vocab} tokens, the target's "
+                f"{target.vocab_size}; drafter and target must share one vocabulary"
+            )
+        self.target = target
+        self.drafter = drafter
+        self.method = method
+        self.max_nodes = max_nodes
+        self.progress = bool(progress)
+        self.verify_options = verify_options
+
+    # ---- request validation ------------------------------------------------------------------
+
+    def _check_request(
+        self, prompts: Any, max_new_tokens: int, stop_token_ids: Optional[Iterable[int]]
+    ) -> tuple[list[list[int]], set[int]]:
+        if isinstance(prompts, torch.Tensor):
+            if prompts.dim() != 2:
+                raise ValueError(f"prompts: expected a [B, T] tensor, got {list(prompts.shape)}")
+            prompts = prompts.tolist()
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: expected a non-empty list of token id lists")
+        if all(isinstance(t, (int, np.integer)) for t in prompts):
+            raise TypeError("prompts: expected a list of prompts (a list of token id lists)")
+        vocab = int(self.target.vocab_size)
+        rows = []
+        for i, p in enumerate(prompts):
+            row = p.tolist() if isinstance(p, (torch.Tensor, np.ndarray)) else list(p)
+            if not row:
+                raise ValueError(f"prompts: prompt {i} is empty; a sequence needs a first token")
+            for t in row:
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise TypeError(f"prompts: prompt {i} holds {t!r}, expected token ids (int)")
+            lo, hi = min(row), max(row)
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(
+                    f"prompts: prompt {i} has token id {bad} outside the target's vocabulary "
+                    f"[0, {vocab})"
+                )
+            rows.append([int(t) for t in row])
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens: expected an int, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+        limit = int(self.target.max_length)
+        longest = max(len(r) for r in rows)
+        if longest + max_new_tokens > limit:
+            raise ValueError(
+                f"max_new_tokens: the longest prompt ({longest} tokens) plus {max_new_tokens} new "
+                f"tokens exceeds the target's max length {limit}"
+            )
+        stops = set()
+        for t in stop_token_ids or ():
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab})")
+            stops.add(int(t))
+        batch = len(rows)
+        capacity = getattr(self.drafter, "max_sequences", None)
+        if capacity is not None and batch > int(capacity):
+            raise ValueError(
+                f"prompts: {batch} prompts exceed the drafter's {capacity} sequence slots"
+            )
+        return rows, stops
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Union[Sequence[Sequence[int]], torch.Tensor],
+        *,
+        max_new_tokens: int,
+        temperature: Union[float, Sequence[float]] = 0.0,
+        top_k: Union[int, Sequence[int]] = 0,
+        top_p: Union[float, Sequence[float]] = 1.0,
+        seed: Union[int, Sequence[int], None] = None,
+        stop_token_ids: Optional[Iterable[int]] = None,
+    ) -> GenerationOutput:
+        """Generates up to ``max_new_tokens`` tokens after each prompt.
+
+        Parameters
+        ----------
+        prompts : list of list of int, or int tensor [B, T]
+            ``B >= 1`` prompts of any lengths ``>= 1``, token ids in ``[0, vocab_size)``.
+        max_new_tokens : int
+            Tokens to generate per prompt at most; prompt + new tokens must fit the target's
+            ``max_length``.
+        temperature, top_k, top_p : number or one per prompt
+            Sampling of the target (temperature 0 = greedy, top_k 0 = off, top_p 1 = off).
+        seed : int or one per prompt, optional
+            Philox key per sequence: an int gives row ``b`` the key ``seed + b``; a list sets each
+            row's key (a row's tokens then do not depend on the rest of the batch). None draws a
+            random seed.
+        stop_token_ids : iterable of int, optional
+            Tokens (e.g. EOS) that end a sequence; the stop token is part of the output.
+
+        Returns
+        -------
+        GenerationOutput
+            ``sequences`` (per prompt lists of new tokens), ``finish_reasons`` and ``stats``;
+            ``padded()`` gives a padded tensor and lengths.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An empty prompt, a token id outside the vocabulary, too long a request, bad sampling
+            arguments, more prompts than the drafter has slots; raised before any work.
+        """
+        t_wall = time.perf_counter()
+        rows, stops = self._check_request(prompts, max_new_tokens, stop_token_ids)
+        batch = len(rows)
+        temps = _per_row(temperature, "temperature", batch, float)
+        top_ks = _per_row(top_k, "top_k", batch, int)
+        top_ps = _per_row(top_p, "top_p", batch, float)
+        if any(not (t >= 0 and np.isfinite(t)) for t in temps):
+            raise ValueError(f"temperature: expected finite values >= 0, got {temps}")
+        if any(k < 0 for k in top_ks):
+            raise ValueError(f"top_k: expected values >= 0, got {top_ks}")
+        if any(not 0 < p <= 1 for p in top_ps):
+            raise ValueError(f"top_p: expected values in (0, 1], got {top_ps}")
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)))
+        if isinstance(seed, (list, tuple, np.ndarray, torch.Tensor)):
+            seeds = _per_row(seed, "seed", batch, int)
+        else:
+            seeds = [int(s) for s in _per_row(seed, "seed", 1, int)]
+            seeds = [seeds[0] + b for b in range(batch)]
+        state = _Batch(
+            tokens=[list(r) for r in rows],
+            prompt_lens=[len(r) for r in rows],
+            max_new=max_new_tokens,
+            done=[False] * batch,
+            reasons=[""] * batch,
+            temperature=torch.tensor(temps, dtype=torch.float32),
+            top_k=torch.tensor(top_ks, dtype=torch.int32),
+            top_p=torch.tensor(top_ps, dtype=torch.float32),
+            seed=torch.tensor(seeds, dtype=torch.int64),
+        )
+        stats = GenerationStats()
+        slots = list(range(batch))
+        self.drafter.start(slots, rows)
+        try:
+            configure = getattr(self.drafter, "configure", None)
+            if callable(configure):
+                configure(slots, temperature=temps, top_k=top_ks, top_p=top_ps, seed=seeds)
+            t0 = time.perf_counter()
+            cache = self._prefill(state)
+            stats.prefill_time = time.perf_counter() - t0
+            bar = _Progress(batch * max_new_tokens) if self.progress else None
+            while state.active:
+                self._step(state, cache, stops, stats, bar)
+            if bar is not None:
+                bar.close()
+        finally:
+            self.drafter.release([b for b in slots if not state.done[b]])
+        stats.wall_time = time.perf_counter() - t_wall
+        sequences = [state.tokens[b][state.prompt_lens[b] :] for b in range(batch)]
+        return GenerationOutput(sequences, state.reasons, stats)
+
+    def _prefill(self, state: _Batch) -> Any:
+        """Fills the target cache with every prompt but its last token (the first root).
+
+        The prompts go through one causal pass padded to the longest; each row is then truncated
+        to its own length, so padding never becomes part of a sequence.
+        """
+        batch = len(state.tokens)
+        longest_total = max(state.prompt_lens) + state.max_new
+        size = min(int(self.target.max_length), longest_total + self.max_nodes)
+        cache = self.target.new_cache(batch, size)
+        width = max(state.prompt_lens) - 1
+        if width == 0:
+            return cache
+        device = self.target.device
+        ids = torch.zeros((batch, width), dtype=torch.int64)
+        for b, row in enumerate(state.tokens):
+            ids[b, : len(row) - 1] = torch.tensor(row[:-1], dtype=torch.int64)
+        positions = torch.arange(width, dtype=torch.int64).expand(batch, width)
+        self.target.forward(ids.to(device), positions.to(device), cache)
+        cache.truncate([n - 1 for n in state.prompt_lens])
+        return cache
+
+    def _step(
+        self, state: _Batch, cache: Any, stops: set[int], stats: GenerationStats, bar: Any
+    ) -> None:
+        active = state.active
+        t0 = time.perf_counter()
+        tree = self._draft(state, cache, active)
+        t1 = time.perf_counter()
+        tokens, positions = self._tree_input(cache, tree)
+        logits = self.target.forward(tokens, positions, cache, tree_mask=tree.mask)
+        result = self._verify(state, tree, logits)
+        t2 = time.perf_counter()
+        counts = self._accept(state, cache, result, active)
+        committed = self._commit(state, result, active, counts, stops)
+        self._update_drafter(state, active, committed)
+        t3 = time.perf_counter()
+        stats.steps += 1
+        stats.row_steps += len(active)
+        stats.new_tokens += sum(len(c) for c in committed)
+        idx = torch.tensor(active)
+        stats._record(
+            tree.depth[idx].max(dim=1).values.numpy(), result.num_accepted.cpu()[idx].numpy()
+        )
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.bookkeeping_time += t3 - t2
+        if bar is not None:
+            bar.update(sum(len(c) for c in committed))
+
+    def _draft(self, state: _Batch, cache: Any, active: list[int]) -> _Tree:
+        """The drafter's trees for the running rows, root-only trees for the finished ones,
+        pruned to what this step may use."""
+        batch = len(state.tokens)
+        proposal = self.drafter.propose(active)
+        p_tokens = torch.as_tensor(proposal.tokens).to("cpu", torch.int32)
+        p_parents = torch.as_tensor(proposal.parents).to("cpu", torch.int32)
+        p_num = torch.as_tensor(proposal.num_nodes).to("cpu", torch.int32)
+        if p_tokens.dim() != 2 or p_tokens.shape[0] != len(active):
+            raise ValueError(
+                f"drafter: propose() returned tokens of shape {list(p_tokens.shape)}, expected "
+                f"[{len(active)}, N]"
+            )
+        width = p_tokens.shape[1]
+        tokens = torch.full((batch, width), -1, dtype=torch.int32)
+        parents = torch.full((batch, width), -1, dtype=torch.int32)
+        num_nodes = torch.ones(batch, dtype=torch.int32)
+        idx = torch.tensor(active, dtype=torch.int64)
+        tokens[idx] = p_tokens
+        parents[idx] = p_parents
+        num_nodes[idx] = p_num
+        # Node 0 is by definition the last committed token, whatever the drafter put there.
+        tokens[:, 0] = torch.tensor([row[-1] for row in state.tokens], dtype=torch.int32)
+        probs = getattr(proposal, "draft_probs", None)
+        full_probs = None
+        if probs is not None:
+            probs = torch.as_tensor(probs)
+            vocab = int(self.target.vocab_size)
+            if tuple(probs.shape) != (len(active), width, vocab):
+                raise ValueError(
+                    f"drafter: draft_probs has shape {list(probs.shape)}, expected "
+                    f"[{len(active)}, {width}, {vocab}]"
+                )
+            full_probs = torch.zeros((batch, width, vocab), dtype=probs.dtype)
+            full_probs[idx] = probs.cpu()
+        # Depth limit: a step emits at most depth + 1 tokens, so drafting past the remaining
+        # budget is wasted (and could run past the target's max length).
+        depth_limit = torch.zeros(batch, dtype=torch.int32)
+        for b in active:
+            depth_limit[b] = state.max_new - state.generated(b) - 1
+        room = cache.max_length - int(cache.lengths.max())
+        limit = min(self.max_nodes, room)
+        return _prune(tokens, parents, num_nodes, full_probs, depth_limit, limit)
+
+    def _tree_input(self, cache: Any, tree: _Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target input over the trees: padding nodes become token 0 at the root's position
+        (their mask rows are empty and their outputs unused)."""
+        vocab = int(self.target.vocab_size)
+        valid = tree.depth >= 0
+        if bool(((tree.tokens >= vocab) & valid).any()):
+            bad = int(tree.tokens[valid].max())
+            raise ValueError(
+                f"drafter: proposed token id {bad}, outside the target's vocabulary [0, {vocab})"
+            )
+        if bool(((tree.tokens < 0) & valid).any()):
+            raise ValueError("drafter: proposed a negative token id in a valid node")
+        device = self.target.device
+        prefix = cache.lengths.to("cpu", torch.int64).unsqueeze(1)
+        positions = prefix + tree.depth.clamp(min=0).to(torch.int64)
+        tokens = tree.tokens.clamp(min=0).to(torch.int64)
+        return tokens.to(device), positions.to(device)
+
+    def _verify(self, state: _Batch, tree: _Tree, logits: torch.Tensor) -> ops.VerifyResult:
+        device = logits.device
+        offset = torch.tensor([len(row) for row in state.tokens], dtype=torch.int64)
+        probs = tree.draft_probs
+        return ops.verify(
+            logits.contiguous(),
+            tree.tokens.to(device),
+            parents=tree.parents.to(device),
+            num_nodes=tree.num_nodes.to(device),
+            draft_probs=None if probs is None else probs.to(device, torch.float32).contiguous(),
+            temperature=state.temperature.to(device),
+            top_k=state.top_k.to(device),
+            top_p=state.top_p.to(device),
+            seed=state.seed.to(device),
+            offset=offset.to(device),
+            method=self.method,
+            max_depth=max(int(tree.depth.max()), 0),
+            **self.verify_options,
+        )
+
+    def _accept(
+        self, state: _Batch, cache: Any, result: ops.VerifyResult, active: list[int]
+    ) -> torch.Tensor:
+        """Keeps the root and the accepted nodes of each running row in the target cache;
+        finished rows drop the whole tree. Returns the accepted counts (CPU int64)."""
+        status = result.status.cpu()
+        accepted = result.num_accepted.cpu().to(torch.int64)
+        bad = [b for b in active if int(status[b]) != 0]
+        if bad:
+            b = bad[0]
+            raise RuntimeError(
+                f"target: non-finite or zero-mass distribution for sequence {b} "
+                f"(verify status {int(status[b])}); generation stopped"
+            )
+        keep = torch.zeros(len(state.tokens), dtype=torch.int32)
+        keep[active] = (accepted[active] + 1).to(torch.int32)
+        device = result.path.device
+        cache.compact(result.path.to(torch.int32).contiguous(), keep.to(device))
+        return accepted
+
+    def _commit(
+        self,
+        state: _Batch,
+        result: ops.VerifyResult,
+        active: list[int],
+        accepted: torch.Tensor,
+        stops: set[int],
+    ) -> list[list[int]]:
+        """Appends each running row's emitted tokens, cut after a stop token or at the token
+        budget; returns what each running row committed."""
+        emitted = result.emitted.cpu()
+        num = result.num_emitted.cpu()
+        committed = []
+        for b in active:
+            row = emitted[b, : int(num[b])].tolist()
+            budget = state.max_new - state.generated(b)
+            cut = next((i + 1 for i, t in enumerate(row) if t in stops), None)
+            if cut is not None and cut <= budget:
+                row = row[:cut]
+                state.done[b], state.reasons[b] = True, "stop"
+            elif len(row) >= budget:
+                row = row[:budget]
+                state.done[b], state.reasons[b] = True, "length"
+            state.tokens[b].extend(row)
+            committed.append(row)
+        return committed
+
+    def _update_drafter(self, state: _Batch, active: list[int], committed: list[list[int]]) -> None:
+        running = [i for i, b in enumerate(active) if not state.done[b]]
+        if running:
+            self.drafter.observe(
+                [active[i] for i in running],
+                [np.asarray(committed[i], dtype=np.int32) for i in running],
+            )
+        finished = [b for b in active if state.done[b]]
+        if finished:
+            self.drafter.release(finished)
+
+
+def _prune(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+    probs: Optional[torch.Tensor],
+    depth_limit: torch.Tensor,
+    node_limit: int,
+) -> _Tree:
+    """Keeps the nodes of each tree within its depth limit and the first ``node_limit`` nodes.
+
+    Both conditions keep a set closed under ancestors (a parent is shallower than and precedes
+    its children), so the kept nodes, renumbered in their original order, form a valid tree.
+    """
+    info = ops.tree_info(parents)
+    n = tokens.shape[1]
+    index = torch.arange(n).unsqueeze(0)
+    keep = (
+        (index < num_nodes.unsqueeze(1))
+        & (info.depth >= 0)
+        & (info.depth <= depth_limit.unsqueeze(1))
+        & (index < max(node_limit, 1))
+    )
+    if bool(keep.all()):
+        return _Tree(tokens, parents, num_nodes, probs, info.depth, info.mask)
+    width = int(keep.sum(dim=1).max())
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]
+    kept = keep.gather(1, order)
+    new_index = torch.cumsum(keep.to(torch.int64), dim=1) - 1
+    old_parent = parents.gather(1, order).to(torch.int64)
+    none = torch.full_like(old_parent, -1)
+    new_parent = torch.where(old_parent >= 0, new_index.gather(1, old_parent.clamp(min=0)), none)
+    new_parents = torch.where(kept, new_parent, torch.full_like(new_parent, -1)).to(torch.int32)
+    pad = torch.full(order.shape, -1, dtype=torch.int32)
+    new_tokens = torch.where(kept, tokens.gather(1, order), pad)
+    new_probs = None
+    if probs is not None:
+        new_probs = probs.gather(1, order.unsqueeze(-1).expand(-1, -1, probs.shape[-1]))
+    info = ops.tree_info(new_parents.contiguous())
+    return _Tree(new_tokens, new_parents, info.num_nodes, new_probs, info.depth, info.mask)
+
+
+class _Progress:
+    """A minimal progress bar: tqdm when installed, else a carriage-return line on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.count = total, 0
+        try:
+            from tqdm import tqdm
+
+            self._bar: Any = tqdm(total=total, unit="tok")
+        except ImportError:
+            self._bar = None
+
+    def update(self, n: int) -> None:
+        self.count += n
+        if self._bar is not None:
+            self._bar.update(n)
+        else:
+            import sys
+
+            sys.stderr.write(f"\r{self.count}/{self.total} tokens")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            import sys
+
+            sys.stderr.write("\n")
+
+
+def generate(
+    model: Any,
+    prompts: Union[Sequence[Sequence[int]], torch.Tensor],
+    *,
+    drafter: Optional[Drafter] = None,
+    max_new_tokens: int,
+    temperature: Union[float, Sequence[float]] = 0.0,
+    top_k: Union[int, Sequence[int]] = 0,
+    top_p: Union[float, Sequence[float]] = 1.0,
+    seed: Union[int, Sequence[int], None] = None,
+    stop_token_ids: Optional[Iterable[int]] = None,
+    method: str = "exact",
+    max_nodes: int = 64,
+    progress: bool = False,
+) -> GenerationOutput:
+    """Generates with speculative decoding in one call (see :class:`SpeculativeDecoder`).
+
+    Parameters
+    ----------
+    model : CausalLM
+        The target model.
+    prompts : list of list of int, or int tensor [B, T]
+        The prompts (token ids).
+    drafter : Drafter, optional
+        Default :class:`~specdecode.drafters.NoDrafter` (plain decoding).
+    max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids
+        As in :meth:`SpeculativeDecoder.generate`.
+    method, max_nodes, progress
+        As in :class:`SpeculativeDecoder`.
+
+    Returns
+    -------
+    GenerationOutput
+        Generated tokens per prompt, finish reasons and :class:`GenerationStats`.
+    """
+    decoder = SpeculativeDecoder(
+        model, drafter, method=method, max_nodes=max_nodes, progress=progress
+    )
+    return decoder.generate(
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+    )

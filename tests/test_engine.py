@@ -1,0 +1,458 @@
+"""The speculative decoding loop: greedy equality with the target's own decoding for every drafter,
+lossless sampling, one target pass per step, committed-only drafter updates, rollback hygiene and
+request validation."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from reference_engine import first_tokens_distribution, greedy_reference, tiny_transformer
+from specdecode.drafters import CachebackDrafter, ModelDrafter, NoDrafter
+from specdecode.models import HFCausalLM
+
+import specdecode
+from specdecode import GenerationStats, SpeculativeDecoder, generate
+
+V = 61
+PROMPT_LENS = [1, 7, 3, 12, 5, 9, 2, 15]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a loaded shared machine: intra-op threads only add contention (results do
+    not depend on the thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def prompts_for(batch: int, vocab: int = V, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (PROMPT_LENS[b],), generator=g).tolist() for b in range(batch)]
+
+
+class Counting:
+    """Delegates to a CausalLM and records every forward call's input shape."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.calls: list[tuple[int, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def forward(self, input_ids, positions, cache, tree_mask=None, output_hidden=None):
+        self.calls.append(tuple(input_ids.shape))
+        return self.model.forward(input_ids, positions, cache, tree_mask, output_hidden)
+
+
+def make_drafter(kind: str, draft_model: Any) -> Any:
+    if kind == "none":
+        return NoDrafter()
+    if kind == "cacheback":
+        return CachebackDrafter(max_nodes=12, max_depth=5, max_sequences=16)
+    if kind == "chain":
+        return ModelDrafter(draft_model, mode="chain", k=4)
+    if kind == "tree":
+        return ModelDrafter(draft_model, mode="tree", k=3, branch=3, beam=3, max_nodes=10)
+    raise AssertionError(kind)
+
+
+DRAFTERS = ["none", "cacheback", "chain", "tree"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_transformer(seed=1)
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    return tiny_transformer(seed=2, layers=1)
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    prompts = prompts_for(8)
+    return prompts, [greedy_reference(target, p, 16) for p in prompts]
+
+
+# ---- greedy equality -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_greedy_equals_target_for_batches_1_to_8(kind, target, draft_model, references):
+    prompts, expected = references
+    drafter = make_drafter(kind, draft_model)
+    decoder = SpeculativeDecoder(target, drafter)
+    for batch in range(1, 9):
+        out = decoder.generate(prompts[:batch], max_new_tokens=16, temperature=0.0)
+        assert out.sequences == expected[:batch], f"batch {batch}"
+        assert out.finish_reasons == ["length"] * batch
+        assert out.stats.new_tokens == 16 * batch
+
+
+def test_drafting_with_the_target_itself_accepts_everything(target, references):
+    prompts, expected = references
+    out = generate(
+        target, prompts, drafter=ModelDrafter(target, k=4), max_new_tokens=16, temperature=0.0
+    )
+    assert out.sequences == expected
+    # Every draft is the target's own argmax: all accepted, 5 tokens per step until the budget.
+    assert out.stats.accepted_by_position[:4] == [1.0, 1.0, 1.0, 1.0]
+    assert out.stats.tokens_per_step > 3.0
+
+
+def test_the_draft_model_is_used_and_speeds_up_steps(target, draft_model, references):
+    prompts, expected = references
+    base = generate(target, prompts, max_new_tokens=16, temperature=0.0)
+    spec = generate(
+        target,
+        prompts,
+        drafter=ModelDrafter(target, mode="tree", k=3, branch=2, beam=2, max_nodes=8),
+        max_new_tokens=16,
+    )
+    assert base.sequences == spec.sequences == expected
+    assert base.stats.steps == 16 and base.stats.tokens_per_step == 1.0
+    assert spec.stats.steps < base.stats.steps
+
+
+def test_stop_tokens_cut_each_row(target, references):
+    prompts, expected = references
+    stop = expected[3][5]  # the 6th token of row 3
+    out = generate(
+        target,
+        prompts,
+        drafter=CachebackDrafter(max_sequences=8),
+        max_new_tokens=16,
+        stop_token_ids=[stop],
+    )
+    for b, seq in enumerate(out.sequences):
+        if stop in expected[b]:
+            cut = expected[b].index(stop) + 1
+            assert seq == expected[b][:cut] and out.finish_reasons[b] == "stop"
+        else:
+            assert seq == expected[b] and out.finish_reasons[b] == "length"
+
+
+def test_padded_output_and_stats(target, draft_model, references):
+    prompts, expected = references
+    out = generate(
+        target,
+        prompts[:3],
+        drafter=ModelDrafter(draft_model, k=3),
+        max_new_tokens=16,
+        stop_token_ids=[expected[0][2]],
+    )
+    tokens, lengths = out.padded()
+    assert tokens.shape == (3, int(lengths.max()))
+    for b in range(3):
+        assert tokens[b, : lengths[b]].tolist() == out.sequences[b]
+        assert bool((tokens[b, lengths[b] :] == -1).all())
+    s = out.stats
+    assert isinstance(s, GenerationStats)
+    assert s.new_tokens == sum(len(x) for x in out.sequences)
+    assert s.row_steps >= s.steps >= max(len(x) for x in out.sequences) / 4
+    assert 0 < len(s.accepted_by_position) <= 3
+    assert all(0.0 <= a <= 1.0 for a in s.accepted_by_position)
+    parts = s.draft_time + s.verify_time + s.bookkeeping_time + s.prefill_time
+    assert 0 < parts <= s.wall_time and s.tokens_per_second > 0
+    assert "tokens/step" in s.summary()
+
+
+# ---- Hugging Face models -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_hf_greedy_equals_transformers_generate(family, kind):
+    from reference_models import gpt2_model, hf_model
+
+    hf = gpt2_model() if family == "gpt2" else hf_model("llama")
+    hf_draft = gpt2_model(seed=5) if family == "gpt2" else hf_model("llama", seed=5)
+    model = HFCausalLM(hf)
+    vocab = model.vocab_size
+    prompts = prompts_for(5, vocab, seed=3)
+    out = generate(
+        model, prompts, drafter=make_drafter(kind, HFCausalLM(hf_draft)), max_new_tokens=10
+    )
+    for b, prompt in enumerate(prompts):
+        ours = greedy_reference(model, prompt, 10)
+        ids = torch.tensor([prompt])
+        theirs = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=10,
+            min_new_tokens=10,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert out.sequences[b] == ours == theirs, f"row {b}"
+
+
+# ---- sampling is lossless ------------------------------------------------------------------------
+
+
+def chi_square_sf(stat: float, dof: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic with cells of expected count < 5 pooled into one."""
+    n = float(counts.sum())
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    if exp[-1] < 5:  # the pool itself is too small: merge it into the smallest kept cell
+        obs, exp = obs[:-1].clone(), exp[:-1].clone()
+        j = int(torch.argmin(exp))
+        obs[j] += counts[~big].sum()
+        exp[j] += expected[~big].sum()
+    return float(((obs - exp) ** 2 / exp).sum()), int(obs.numel()) - 1
+
+
+SAMPLE_V = 3
+DRAWS = 16000
+
+
+@pytest.fixture(scope="module")
+def sampling_models():
+    target = tiny_transformer(seed=11, vocab_size=SAMPLE_V, std=0.15, layers=1, max_length=16)
+    draft = tiny_transformer(seed=12, vocab_size=SAMPLE_V, std=0.15, layers=1, max_length=16)
+    prompt = [1, 0, 2]
+    return target, draft, prompt, first_tokens_distribution(target, prompt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["none", "chain", "tree", "cacheback"])
+def test_sampling_matches_the_target_distribution(kind, sampling_models):
+    """Joint law of the first three tokens vs the exact target law (chi-square), and the test
+    demonstrably detects a 1% shift of probability mass with these many draws."""
+    target, draft, prompt, probs = sampling_models
+    drafter = make_drafter(kind, draft)
+    if kind == "cacheback":
+        drafter = CachebackDrafter(max_nodes=8, max_depth=3, max_sequences=4000)
+    counts = torch.zeros(SAMPLE_V**3, dtype=torch.float64)
+    per_call = 4000
+    for call in range(DRAWS // per_call):
+        seeds = [call * per_call + b for b in range(per_call)]
+        out = generate(
+            target,
+            [prompt] * per_call,
+            drafter=drafter,
+            max_new_tokens=3,
+            temperature=1.0,
+            seed=seeds,
+        )
+        seqs = torch.tensor(out.sequences)
+        index = seqs[:, 0] * SAMPLE_V**2 + seqs[:, 1] * SAMPLE_V + seqs[:, 2]
+        counts += torch.bincount(index, minlength=SAMPLE_V**3).double()
+    stat, dof = chi_square(counts, probs)
+    assert chi_square_sf(stat, dof) > 1e-3, (stat, dof)
+    # Power: 1% of the probability mass moved from the likeliest cell to a typical (median)
+    # cell must be detected. Its noncentrality n * sum((p' - p)^2 / p) is large enough that the
+    # statistic exceeds the 1e-3 critical value with probability > 0.99, and these counts do.
+    order = torch.argsort(probs, descending=True)
+    shifted = probs.clone()
+    shifted[order[0]] -= 0.01
+    shifted[order[len(order) // 2]] += 0.01
+    noncentrality = DRAWS * float(((shifted - probs) ** 2 / probs).sum())
+    assert noncentrality > 60, noncentrality
+    stat_shift, dof_shift = chi_square(counts, shifted)
+    assert chi_square_sf(stat_shift, dof_shift) < 1e-3, (stat_shift, dof_shift)
+
+
+def test_seeds_reproduce_rows_independently_of_the_batch(target, draft_model):
+    prompts = prompts_for(4)
+    kwargs = dict(max_new_tokens=12, temperature=0.9, top_k=20, top_p=0.95)
+    full = generate(
+        target, prompts, drafter=ModelDrafter(draft_model), seed=[7, 8, 9, 10], **kwargs
+    )
+    alone = generate(target, prompts[2:3], drafter=ModelDrafter(draft_model), seed=[9], **kwargs)
+    assert full.sequences[2] == alone.sequences[0]
+    again = generate(
+        target, prompts, drafter=ModelDrafter(draft_model), seed=[7, 8, 9, 10], **kwargs
+    )
+    assert again.sequences == full.sequences
+
+
+# ---- structure of a step -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_one_target_forward_per_step(kind, target, draft_model, references):
+    prompts, expected = references
+    counted = Counting(target)
+    out = generate(counted, prompts, drafter=make_drafter(kind, draft_model), max_new_tokens=16)
+    assert out.sequences == expected
+    # One prefill pass, then exactly one pass over the trees per step.
+    assert len(counted.calls) == 1 + out.stats.steps
+    assert counted.calls[0] == (8, max(len(p) for p in prompts) - 1)
+
+
+class Recording:
+    """Wraps a drafter and records everything the engine hands it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.observed: dict[int, list[int]] = {}
+        self.proposed_roots: list[list[int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def start(self, slots, prompts):
+        for s, p in zip(slots, prompts):
+            self.observed[int(s)] = list(p)
+        self.inner.start(slots, prompts)
+
+    def propose(self, slots):
+        tree = self.inner.propose(slots)
+        self.proposed_roots.append([int(x) for x in tree.tokens[:, 0]])
+        for i, s in enumerate(slots):
+            assert int(tree.tokens[i, 0]) == self.observed[int(s)][-1]
+        return tree
+
+    def observe(self, slots, committed):
+        for s, c in zip(slots, committed):
+            self.observed[int(s)] += [int(x) for x in c]
+        self.inner.observe(slots, committed)
+
+    def release(self, slots):
+        self.inner.release(slots)
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "cacheback"])
+def test_drafter_sees_only_committed_tokens(kind, target, draft_model):
+    prompts = prompts_for(6)
+    drafter = Recording(make_drafter(kind, draft_model))
+    out = generate(target, prompts, drafter=drafter, max_new_tokens=14, temperature=0.8, seed=3)
+    for b, prompt in enumerate(prompts):
+        full = prompt + out.sequences[b]
+        seen = drafter.observed[b]
+        # Everything observed is the committed sequence, in order; only the final step's
+        # commit (after which the row finished and was released) may be missing.
+        assert seen == full[: len(seen)]
+        assert len(full) - len(seen) <= 5
+    if kind != "cacheback":
+        assert drafter.inner._seq == {}  # every slot released at the end
+
+
+class Garbage:
+    """A drafter proposing wide trees of random tokens: nearly everything gets rolled back."""
+
+    vocab_size = V
+
+    def __init__(self) -> None:
+        self.gen = torch.Generator().manual_seed(0)
+        self.roots: dict[int, int] = {}
+
+    def start(self, slots, prompts):
+        for s, p in zip(slots, prompts):
+            self.roots[s] = int(p[-1])
+
+    def propose(self, slots):
+        n = 9
+        parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 4, 5]] * len(slots), dtype=torch.int32)
+        tokens = torch.randint(0, V, (len(slots), n), generator=self.gen, dtype=torch.int32)
+        tokens[:, 0] = torch.tensor([self.roots[s] for s in slots], dtype=torch.int32)
+        return specdecode.ops.DraftTree(
+            tokens, parents, torch.full((len(slots),), n, dtype=torch.int32)
+        )
+
+    def observe(self, slots, committed):
+        for s, c in zip(slots, committed):
+            self.roots[s] = int(c[-1])
+
+    def release(self, slots):
+        pass
+
+
+def test_rolled_back_entries_never_leak(target, references, monkeypatch):
+    prompts, expected = references
+    out = generate(target, prompts, drafter=Garbage(), max_new_tokens=16)
+    assert out.sequences == expected
+
+    # The detector works: if acceptance kept the whole tree in the cache instead of the accepted
+    # path, rejected drafts would leak into later steps and change the output.
+    def keep_one_rejected(self, state, cache, result, active):
+        # Keeps nodes 0 .. accepted + 1 in node order: one node more than the accepted path.
+        accepted = result.num_accepted.cpu().long()
+        n = cache._tree_size
+        path = torch.arange(n, dtype=torch.int32).expand(len(state.tokens), n).contiguous()
+        keep = torch.clamp(accepted + 2, max=n).to(torch.int32)
+        cache.compact(path, keep)
+        return accepted
+
+    monkeypatch.setattr(SpeculativeDecoder, "_accept", keep_one_rejected)
+    leaky = generate(target, prompts, drafter=Garbage(), max_new_tokens=16)
+    assert leaky.sequences != expected
+
+
+# ---- bad requests --------------------------------------------------------------------------------
+
+
+def test_bad_requests_raise_before_any_work(target, draft_model):
+    counted = Counting(target)
+    drafter = ModelDrafter(draft_model)
+    decoder = SpeculativeDecoder(counted, drafter)
+    cases = [
+        ([[3, 4], []], {}, ValueError, "prompt 1 is empty"),
+        ([[3, V]], {}, ValueError, "outside the target's vocabulary"),
+        ([[3, -1]], {}, ValueError, "outside the target's vocabulary"),
+        ([[3] * 200], {"max_new_tokens": 57}, ValueError, "max length"),
+        ([], {}, ValueError, "non-empty"),
+        ([1, 2, 3], {}, TypeError, "list of prompts"),
+        ([[3]], {"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+        ([[3]], {"temperature": -1.0}, ValueError, "temperature"),
+        ([[3]], {"top_p": 0.0}, ValueError, "top_p"),
+        ([[3], [4]], {"seed": [1]}, ValueError, "seed"),
+        ([[3]], {"stop_token_ids": [V + 5]}, ValueError, "stop_token_ids"),
+    ]
+    for prompts, kwargs, exc, match in cases:
+        kwargs = {"max_new_tokens": 4, **kwargs}
+        with pytest.raises(exc, match=match):
+            decoder.generate(prompts, **kwargs)
+    assert counted.calls == [] and drafter._seq == {}
+    other = tiny_transformer(seed=3, vocab_size=V + 1, layers=1)
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeDecoder(target, ModelDrafter(other))
+    with pytest.raises(ValueError, match="drafter's 2 sequence slots"):
+        generate(
+            target, prompts_for(3), drafter=CachebackDrafter(max_sequences=2), max_new_tokens=2
+        )
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeDecoder(target, method="nope")
+    with pytest.raises(TypeError, match="drafter"):
+        SpeculativeDecoder(target, object())
+
+
+def test_generation_runs_to_the_models_max_length():
+    small = tiny_transformer(seed=1, max_length=24)
+    prompts = [[1, 2, 3], [4] * 8]
+    out = generate(small, prompts, drafter=ModelDrafter(small, k=6), max_new_tokens=16)
+    assert out.sequences == [greedy_reference(small, p, 16) for p in prompts]
+
+
+def test_lossy_method_runs_and_is_exposed(target, draft_model):
+    out = generate(
+        target,
+        prompts_for(2),
+        drafter=ModelDrafter(draft_model),
+        max_new_tokens=8,
+        method="typical",
+        temperature=1.0,
+        seed=1,
+    )
+    assert [len(s) for s in out.sequences] == [8, 8]
+    assert math.isfinite(out.stats.tokens_per_second)
+
+
+def test_package_exports():
+    for name in ("models", "drafters", "engine", "generate", "SpeculativeDecoder"):
+        assert hasattr(specdecode, name) and name in specdecode.__all__
