@@ -9,4 +9,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "specdecode native kernels (internal; use specdecode.ops)";
   sd::register_info(m);
   sd::register_tree_ops(m);
+  sd::register_attention_ops(m);
 }

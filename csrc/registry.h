@@ -6,4 +6,5 @@
 namespace sd {
 void register_info(pybind11::module_& m);
 void register_tree_ops(pybind11::module_& m);
+void register_attention_ops(pybind11::module_& m);
 }  // namespace sd

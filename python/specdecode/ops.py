@@ -13,16 +13,20 @@ Conventions shared by every op:
 
 from __future__ import annotations
 
+from ._ops.attention import HEAD_DIMS, compact_kv, tree_attention
 from ._ops.tree import MAX_TREE_NODES, TreeInfo, chain_parents, tree_info, tree_paths
 
 PAD_TOKEN: int = -1
 """Padding value for token ids and node indices in ragged batches."""
 
 __all__ = [
+    "HEAD_DIMS",
     "MAX_TREE_NODES",
     "PAD_TOKEN",
     "TreeInfo",
     "chain_parents",
+    "compact_kv",
+    "tree_attention",
     "tree_info",
     "tree_paths",
 ]

@@ -1,0 +1,328 @@
+"""Tree-masked attention over a KV cache, and compaction of the cache to the accepted path.
+
+The target scores a whole draft tree (or chain) in one forward pass: the model appends the K/V of
+the ``T`` tree nodes to its cache at positions ``[prefix_len, prefix_len + T)`` and calls
+:func:`tree_attention`; node ``i`` attends to the whole prefix and to the tree nodes visible in
+row ``i`` of the ancestor mask from :func:`specdecode.ops.tree_info`. After verification,
+:func:`compact_kv` moves the K/V of the accepted nodes to ``[prefix_len, prefix_len + n)``.
+
+Both ops are also registered with ``torch.library`` as ``torch.ops.specdecode.tree_attention``
+and ``torch.ops.specdecode.compact_kv`` (with fake implementations), so they trace under
+``torch.compile``; in eager mode the public functions call the native module directly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from .. import _C
+from .common import empty, stream_of
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+
+_COMPACT_ERRORS = {
+    1: "num_accepted[{b}] = {count} is outside [0, L = {width}]",
+    2: "path[{b}, {i}] = {node} is negative, but the first num_accepted entries must be nodes",
+    3: "path[{b}, {i}] = {node} does not follow path[{b}, {prev}] = {prev_node}; an accepted "
+    "path is strictly increasing (parents come before children)",
+    4: "row {b}: prefix_lens = {prefix} with path node {node} is outside the cache of length "
+    "{length}",
+}
+
+
+def _check_tensor(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x.detach() if x.requires_grad else x
+
+
+def _default_scale(scale: Optional[float], head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale}")
+    return float(scale)
+
+
+def _num_splits(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """KV splits of the CUDA kernel: enough blocks to fill the GPU, each split >= 256 keys."""
+    if q.device.type != "cuda":
+        return 1
+    batch, t, hq, _ = q.shape
+    group = hq // max(k_cache.shape[2], 1)
+    blocks = batch * k_cache.shape[2] * max(1, -(-(t * group) // 32))
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    want = max(1, -(-2 * sms // max(blocks, 1)))
+    return int(max(1, min(want, -(-k_cache.shape[1] // 256), 64)))
+
+
+def _tree_attention_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    scale: float,
+    with_lse: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if q.dim() != 4:
+        raise ValueError(f"q: expected shape [B, T, Hq, D], got {list(q.shape)}")
+    batch, t, hq, d = q.shape
+    device = q.device
+    out = empty((batch, t, hq, d), q.dtype, device)
+    lse = empty((batch, t, hq), torch.float32, device) if with_lse else None
+    status = empty((batch,), torch.int32, device)
+    part_o = part_lse = None
+    if device.type == "cuda" and k_cache.dim() == 4:
+        splits = _num_splits(q, k_cache)
+        part_o = empty((splits, batch, t, hq, d), torch.float32, device)
+        part_lse = empty((splits, batch, t, hq), torch.float32, device)
+    _C.tree_attention(
+        q,
+        k_cache,
+        v_cache,
+        prefix_lens,
+        tree_mask,
+        out,
+        lse,
+        status,
+        scale,
+        part_o,
+        part_lse,
+        stream_of(device),
+    )
+    bad = torch.nonzero(status).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(
+            f"prefix_lens: row {b} has prefix_len {int(prefix_lens[b])}, but 0 <= prefix_len and "
+            f"prefix_len + T ({t}) <= S ({k_cache.shape[1]}) are required"
+            + (f" ({bad.numel() - 1} more invalid rows)" if bad.numel() > 1 else "")
+        )
+    return out, lse
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Attention of the ``T`` nodes of a draft tree over a KV cache that already holds them.
+
+    Query node ``i`` of sequence ``b`` attends to every prefix position
+    ``< prefix_lens[b]`` of the cache (dense, unmasked) and to the tree nodes ``j`` stored at
+    ``prefix_lens[b] + j`` whose bit is set in row ``i`` of ``tree_mask`` (its ancestors and
+    itself, as :func:`specdecode.ops.tree_info` returns). The two parts are computed separately
+    and merged with the log-sum-exp rule; each prefix key is read once per KV head for all
+    ``T x Hq / Hkv`` query rows of that head. Grouped-query attention maps query head ``h`` to KV
+    head ``h // (Hq / Hkv)``. Positional encodings (RoPE at ``prefix_len + depth``) are the
+    caller's job.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, T, Hq, D]``, float32, float16 or bfloat16, last dim contiguous.
+        ``1 <= T <= 1024``; ``D`` in 64, 80, 96, 128, 256.
+    k_cache, v_cache : torch.Tensor
+        ``[B, S, Hkv, D]``, same dtype and device as ``q``, ``Hq`` a multiple of ``Hkv``,
+        ``S >= T``. May be strided views into larger buffers (the last dim must be contiguous,
+        both must have the same strides).
+    prefix_lens : torch.Tensor
+        int32 ``[B]``, ``0 <= prefix_lens[b]`` and ``prefix_lens[b] + T <= S``.
+    tree_mask : torch.Tensor, optional
+        uint32 ``[B, T, ceil(T / 32)]``, contiguous: bit ``j % 32`` of word ``j // 32`` in row
+        ``i`` makes node ``j`` visible from node ``i``. Bits at ``j >= T`` are ignored. ``None``
+        means a causal chain (node ``i`` sees nodes ``0..i``); ``T = 1`` is plain decoding.
+    scale : float, optional
+        Multiplies the scores ``q . k``; default ``1 / sqrt(D)``.
+    return_lse : bool
+        Also return the log-sum-exp of the scaled scores of each query row.
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``[B, T, Hq, D]`` of the dtype of ``q`` (accumulated in float32).
+    lse : torch.Tensor
+        float32 ``[B, T, Hq]``, natural log; only with ``return_lse``. A row that sees no key at
+        all (empty prefix and an all-zero mask row, e.g. a padding node) gets ``out = 0`` and
+        ``lse = -inf``.
+
+    Raises
+    ------
+    TypeError
+        A dtype is wrong or ``q``, ``k_cache``, ``v_cache`` disagree in dtype.
+    ValueError
+        Shapes disagree, ``Hq`` is not a multiple of ``Hkv``, ``T`` or ``D`` unsupported, the
+        mask has the wrong width, arrays are on different devices, or a ``prefix_lens`` entry is
+        negative or leaves no room for the ``T`` tree nodes (checked on the device; on CUDA this
+        check synchronises).
+    """
+    q = _check_tensor(q, "q")
+    k_cache = _check_tensor(k_cache, "k_cache")
+    v_cache = _check_tensor(v_cache, "v_cache")
+    prefix_lens = _check_tensor(prefix_lens, "prefix_lens")
+    if tree_mask is not None:
+        tree_mask = _check_tensor(tree_mask, "tree_mask")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected shape [B, T, Hq, D], got {list(q.shape)}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q: expected float32, float16 or bfloat16, got {q.dtype}")
+    scale = _default_scale(scale, q.shape[-1])
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.specdecode.tree_attention(
+            q, k_cache, v_cache, prefix_lens, tree_mask, scale
+        )
+    else:
+        out, lse = _tree_attention_impl(
+            q, k_cache, v_cache, prefix_lens, tree_mask, scale, return_lse
+        )
+    return (out, lse) if return_lse else out
+
+
+def _raise_compact_errors(
+    status: torch.Tensor,
+    path: torch.Tensor,
+    num_accepted: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    cache_len: int,
+) -> None:
+    bad = torch.nonzero(status[:, 0]).flatten()
+    if bad.numel() == 0:
+        return
+    b = int(bad[0])
+    code, i = (int(x) for x in status[b].tolist())
+    row = path[b].tolist()
+    msg = _COMPACT_ERRORS[code].format(
+        b=b,
+        i=i,
+        prev=i - 1,
+        node=row[i] if row else None,
+        prev_node=row[i - 1] if i > 0 else None,
+        count=int(num_accepted[b]),
+        width=len(row),
+        prefix=int(prefix_lens[b]),
+        length=cache_len,
+    )
+    raise ValueError("compact_kv: " + msg + "; the cache was not modified")
+
+
+def _compact_kv_impl(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    path: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> torch.Tensor:
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache: expected shape [B, S, Hkv, D], got {list(k_cache.shape)}")
+    device = k_cache.device
+    batch = k_cache.shape[0]
+    new_lens = empty((batch,), torch.int32, device)
+    status = empty((batch, 2), torch.int32, device)
+    _C.compact_kv(
+        k_cache, v_cache, prefix_lens, path, num_accepted, new_lens, status, stream_of(device)
+    )
+    _raise_compact_errors(status, path, num_accepted, prefix_lens, k_cache.shape[1])
+    return new_lens
+
+
+def compact_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    path: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> torch.Tensor:
+    """Keeps the accepted path of a tree in the KV cache, in place.
+
+    For each sequence ``b`` and ``i < num_accepted[b]``, the K and V rows of tree node
+    ``path[b, i]`` (at cache position ``prefix_lens[b] + path[b, i]``) move to position
+    ``prefix_lens[b] + i``. Accepted paths are strictly increasing (parents come before
+    children), so every destination is at or before its source and after every source still to
+    be read: moving in increasing ``i`` handles overlapping ranges correctly.
+
+    Parameters
+    ----------
+    k_cache, v_cache : torch.Tensor
+        ``[B, S, Hkv, D]``, float32, float16 or bfloat16, writable, same strides, last dim
+        contiguous (strided views into larger buffers are fine). Modified in place.
+    prefix_lens : torch.Tensor
+        int32 ``[B]``: where each sequence's tree starts in the cache.
+    path : torch.Tensor
+        int32 ``[B, L]``: accepted node indices (e.g. from verification), root first; entries
+        at and after ``num_accepted[b]`` are ignored (typically -1 padding).
+    num_accepted : torch.Tensor
+        int32 ``[B]``, ``0 <= num_accepted[b] <= L``: how many path entries to keep.
+
+    Returns
+    -------
+    torch.Tensor
+        int32 ``[B]``: the new cache lengths ``prefix_lens + num_accepted``.
+
+    Raises
+    ------
+    TypeError
+        Wrong dtypes, or the caches differ in dtype.
+    ValueError
+        Shapes or devices disagree, or a row's path is not strictly increasing, has a negative
+        node, or points outside the cache; then nothing is moved (on CUDA this check
+        synchronises).
+    """
+    k_cache = _check_tensor(k_cache, "k_cache")
+    v_cache = _check_tensor(v_cache, "v_cache")
+    prefix_lens = _check_tensor(prefix_lens, "prefix_lens")
+    path = _check_tensor(path, "path")
+    num_accepted = _check_tensor(num_accepted, "num_accepted")
+    if torch.compiler.is_compiling():
+        return torch.ops.specdecode.compact_kv(k_cache, v_cache, prefix_lens, path, num_accepted)
+    return _compact_kv_impl(k_cache, v_cache, prefix_lens, path, num_accepted)
+
+
+# ---- torch.library registration -----------------------------------------------------------
+
+
+@torch.library.custom_op("specdecode::tree_attention", mutates_args=())
+def _tree_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _tree_attention_impl(q, k_cache, v_cache, prefix_lens, tree_mask, scale, True)
+    assert lse is not None
+    return out, lse
+
+
+@_tree_attention_op.register_fake
+def _(q, k_cache, v_cache, prefix_lens, tree_mask, scale):
+    batch, t, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, t, hq), dtype=torch.float32)
+
+
+@torch.library.custom_op("specdecode::compact_kv", mutates_args=("k_cache", "v_cache"))
+def _compact_kv_op(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    path: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> torch.Tensor:
+    return _compact_kv_impl(k_cache, v_cache, prefix_lens, path, num_accepted)
+
+
+@_compact_kv_op.register_fake
+def _(k_cache, v_cache, prefix_lens, path, num_accepted):
+    return prefix_lens.new_empty(prefix_lens.shape)

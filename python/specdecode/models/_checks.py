@@ -1,0 +1,111 @@
+"""Argument validation shared by the models (raises before any work is done)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_tokens(
+    input_ids: Any, positions: Any, vocab_size: int, batch_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validates ``input_ids`` / ``positions`` ``[B, T]``; returns them as int64."""
+    for name, x in (("input_ids", input_ids), ("positions", positions)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name}: expected an integer dtype, got {x.dtype}")
+        if x.dim() != 2:
+            raise ValueError(f"{name}: expected shape [B, T], got {list(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"{name}: expected device {device}, got {x.device}")
+    if input_ids.shape != positions.shape:
+        raise ValueError(
+            f"positions: expected the shape of input_ids {list(input_ids.shape)}, "
+            f"got {list(positions.shape)}"
+        )
+    batch, t = input_ids.shape
+    if batch != batch_size:
+        raise ValueError(f"input_ids: batch {batch} does not match the cache's batch {batch_size}")
+    if t < 1:
+        raise ValueError("input_ids: expected at least one token per row (T >= 1)")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if int(positions.min()) < 0:
+        raise ValueError(f"positions: expected positions >= 0, got {int(positions.min())}")
+    return input_ids.long(), positions.long()
+
+
+def check_tree_mask(tree_mask: Optional[Any], batch: int, t: int, device: torch.device) -> None:
+    if tree_mask is None:
+        return
+    if not isinstance(tree_mask, torch.Tensor):
+        raise TypeError(f"tree_mask: expected a torch.Tensor, got {type(tree_mask).__name__}")
+    if tree_mask.dtype != torch.uint32:
+        raise TypeError(f"tree_mask: expected uint32 (from ops.tree_info), got {tree_mask.dtype}")
+    words = (t + 31) // 32
+    if tuple(tree_mask.shape) != (batch, t, words):
+        raise ValueError(
+            f"tree_mask: expected shape [B, T, ceil(T/32)] = {[batch, t, words]}, "
+            f"got {list(tree_mask.shape)}"
+        )
+    if tree_mask.device != device:
+        raise ValueError(f"tree_mask: expected device {device}, got {tree_mask.device}")
+
+
+def check_hidden_indices(output_hidden: Optional[Sequence[int]], num_layers: int) -> list[int]:
+    """Normalises hidden-state indices to ``0..L`` (negative ones count from ``L + 1``)."""
+    if output_hidden is None:
+        return []
+    if isinstance(output_hidden, int) or not isinstance(output_hidden, (list, tuple, range)):
+        raise TypeError(
+            "output_hidden: expected a sequence of layer indices, got "
+            f"{type(output_hidden).__name__}"
+        )
+    out = []
+    for i in output_hidden:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"output_hidden: expected ints, got {i!r}")
+        j = i + num_layers + 1 if i < 0 else i
+        if not 0 <= j <= num_layers:
+            raise ValueError(
+                f"output_hidden: index {i} is outside [-{num_layers + 1}, {num_layers}] "
+                f"(0 = embeddings, {num_layers} = last layer)"
+            )
+        out.append(j)
+    return out
+
+
+def as_lengths(
+    value: Union[int, Sequence[int], torch.Tensor], batch: int, name: str = "lengths"
+) -> torch.Tensor:
+    """int64 ``[B]`` CPU tensor from an int (broadcast), a list or a tensor."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, a list of ints or an integer tensor")
+    if isinstance(value, int):
+        return torch.full((batch,), value, dtype=torch.int64)
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name}: expected an integer tensor, got {value.dtype}")
+        t = value.detach().to("cpu", torch.int64)
+    else:
+        try:
+            t = torch.tensor(list(value), dtype=torch.int64)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{name}: expected ints: {exc}") from None
+    if tuple(t.shape) != (batch,):
+        raise ValueError(f"{name}: expected shape [{batch}], got {list(t.shape)}")
+    return t

@@ -1,0 +1,204 @@
+"""The static, preallocated KV cache of :class:`~specdecode.models.Transformer`."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .. import ops
+from ._checks import as_lengths, check_positive_int
+
+
+class KVCache:
+    """Keys and values of ``B`` sequences, preallocated for ``max_length`` tokens each.
+
+    Storage is one tensor per kind, ``k``/``v`` of shape ``[L, B, S_max, Hkv, D]``; ``layer(i)``
+    gives the contiguous ``[B, S_max, Hkv, D]`` views that ``ops.tree_attention`` reads.
+
+    Invariant: row ``b`` holds ``lengths[b]`` tokens at slots ``0 .. lengths[b] - 1``. Slots past
+    ``lengths[b]`` may hold stale values from rolled-back drafts; attention never reads them (the
+    kernel sees only ``prefix_lens = lengths`` plus the new tokens, which overwrite those slots).
+
+    A forward pass over ``T`` tokens writes slots ``[lengths[b], lengths[b] + T)`` of every layer
+    and then advances ``lengths`` by ``T``; it also remembers where that block started, so that
+    :meth:`compact` can keep an accepted path of it.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        max_length: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: Union[torch.device, str, None] = None,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("batch_size", batch_size),
+            ("max_length", max_length),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            check_positive_int(name, value)
+        device = torch.device(device if device is not None else "cpu")
+        shape = (num_layers, batch_size, max_length, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        # Host mirror of the lengths: bounds checks without a device sync.
+        self._host_lengths = torch.zeros(batch_size, dtype=torch.int64)
+        self._tree_start: Optional[torch.Tensor] = None
+        self._tree_size = 0
+
+    # ---- shape -------------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """int32 ``[B]`` on the cache's device: tokens held per row (do not modify in place)."""
+        return self._lengths
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` of layer ``i``, each ``[B, S_max, Hkv, D]``."""
+        return self.k[i], self.v[i]
+
+    # ---- used by the model's forward pass ------------------------------------------------------
+
+    def _begin(self, t: int) -> torch.Tensor:
+        """Checks room for ``t`` new tokens per row; returns the slot index ``[B, t]`` (int64)."""
+        longest = int(self._host_lengths.max())
+        if longest + t > self.max_length:
+            raise ValueError(
+                f"input_ids: {t} new tokens do not fit the cache: a row holds {longest} of at "
+                f"most {self.max_length} tokens (max_length exceeded)"
+            )
+        steps = torch.arange(t, device=self.device, dtype=torch.int64)
+        return self._lengths.long().unsqueeze(1) + steps
+
+    def _commit(self, t: int) -> None:
+        """Makes the ``t`` tokens written by the forward pass part of every row."""
+        self._tree_start = self._lengths.clone()
+        self._tree_size = t
+        self._lengths += t
+        self._host_lengths += t
+
+    # ---- rollback ----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Empties every row (the storage is kept)."""
+        self._lengths.zero_()
+        self._host_lengths.zero_()
+        self._tree_start = None
+        self._tree_size = 0
+
+    def truncate(self, lengths: Union[int, Sequence[int], torch.Tensor]) -> None:
+        """Rolls every row back to ``lengths`` tokens.
+
+        Parameters
+        ----------
+        lengths : int, sequence of int or integer tensor ``[B]``
+            New length per row (an int applies to all rows); ``0 <= lengths[b] <=`` the current
+            length of row ``b``.
+        """
+        new = as_lengths(lengths, self.batch_size)
+        if bool((new < 0).any()) or bool((new > self._host_lengths).any()):
+            b = int(torch.nonzero((new < 0) | (new > self._host_lengths))[0])
+            raise ValueError(
+                f"lengths: row {b} cannot be truncated to {int(new[b])}: it holds "
+                f"{int(self._host_lengths[b])} tokens (truncate only shortens rows)"
+            )
+        self._host_lengths.copy_(new)
+        self._lengths.copy_(new.to(self.device, torch.int32))
+        self._tree_start = None
+        self._tree_size = 0
+
+    def compact(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Keeps the accepted path of the tree scored by the last forward pass, in place.
+
+        Parameters
+        ----------
+        path : torch.Tensor
+            int32 ``[B, P]``: node indices of the last forward's tree, root first, strictly
+            increasing; entries at and after ``num_accepted[b]`` are ignored (-1 padding).
+        num_accepted : torch.Tensor
+            int32 ``[B]``, ``0 <= num_accepted[b] <= P``: nodes to keep per row.
+
+        After the call row ``b`` holds ``start[b] + num_accepted[b]`` tokens, the kept nodes in
+        path order at ``start[b] ..``, where ``start`` is ``lengths`` before the last forward.
+        Moves go through :func:`specdecode.ops.compact_kv` (all layers in one call).
+
+        Raises
+        ------
+        ValueError
+            No forward pass since the last truncate/compact, a path node outside that pass's
+            ``T`` tokens, or a path that is not strictly increasing; nothing is moved then.
+        """
+        if self._tree_start is None:
+            raise ValueError(
+                "compact: no tree to compact; call it once right after the forward pass that "
+                "scored the tree"
+            )
+        for name, x in (("path", path), ("num_accepted", num_accepted)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            if x.dtype != torch.int32:
+                raise TypeError(f"{name}: expected int32, got {x.dtype}")
+            if x.device != self.device:
+                raise ValueError(f"{name}: expected device {self.device}, got {x.device}")
+        batch = self.batch_size
+        if path.dim() != 2 or path.shape[0] != batch:
+            raise ValueError(f"path: expected shape [{batch}, P], got {list(path.shape)}")
+        if tuple(num_accepted.shape) != (batch,):
+            raise ValueError(
+                f"num_accepted: expected shape [{batch}], got {list(num_accepted.shape)}"
+            )
+        counts = num_accepted.to("cpu", torch.int64)
+        width = path.shape[1]
+        if bool((counts < 0).any()) or bool((counts > width).any()):
+            raise ValueError(
+                f"num_accepted: expected values in [0, {width}], got {counts.tolist()}"
+            )
+        used = torch.arange(width, device=path.device).unsqueeze(0) < num_accepted.unsqueeze(1)
+        if bool((used & (path >= self._tree_size)).any()):
+            raise ValueError(
+                f"path: a node index is >= {self._tree_size}, the number of tokens of the last "
+                "forward pass"
+            )
+        layers = self.num_layers
+        s, h, d = self.k.shape[2:]
+        # Layers are independent copies of the same layout: fold them into the batch dimension
+        # so one call moves every layer (row l * B + b is layer l of sequence b).
+        new = ops.compact_kv(
+            self.k.view(layers * batch, s, h, d),
+            self.v.view(layers * batch, s, h, d),
+            self._tree_start.repeat(layers),
+            path.repeat(layers, 1).contiguous(),
+            num_accepted.repeat(layers),
+        )
+        self._lengths.copy_(new[:batch])
+        self._host_lengths.copy_(self._tree_start.to("cpu", torch.int64) + counts)
+        self._tree_start = None
+        self._tree_size = 0

@@ -1,0 +1,344 @@
+"""The configuration of a Llama-style decoder, and its translation to/from Hugging Face config.json.
+
+One :class:`ModelConfig` describes the three families :class:`~specdecode.models.Transformer`
+implements. They share one architecture (RMSNorm, RoPE, SwiGLU MLP, grouped-query attention,
+tied or untied embeddings) and differ only in details that the config states explicitly:
+
+* ``llama``: optional biases on q/k/v **and** o projections (``attention_bias``).
+* ``qwen2``: q/k/v biases always, no o bias (``attention_bias`` must be True).
+* ``mistral``: no biases; a sliding attention window.
+
+A sliding window ``W`` is honoured by refusing longer sequences: while every sequence is at most
+``W`` tokens long, windowed attention equals full causal attention, so the model is exact where it
+runs at all and raises instead of silently diverging beyond that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Optional, Union
+
+MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+# Fields that from_hf_config derives itself instead of copying from the dict.
+_DERIVED_FIELDS = frozenset({"model_type", "rope_theta", "rope_scaling", "sliding_window"})
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value: Any, positive: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__} ({value!r})")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name}: expected a finite float > 0, got {value}")
+
+
+def _token_ids(name: str, value: Any) -> None:
+    if value is None:
+        return
+    ids = value if isinstance(value, (list, tuple)) else [value]
+    for v in ids:
+        _check_int(name, v, 0)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Hyperparameters of a Llama / Qwen2 / Mistral style decoder, named as in Hugging Face.
+
+    Attributes
+    ----------
+    vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads : int
+        The usual sizes; ``hidden_size`` is the residual width, ``intermediate_size`` the SwiGLU
+        width.
+    num_key_value_heads : int, optional
+        KV heads for grouped-query attention; defaults to ``num_attention_heads``; must divide it.
+    head_dim : int, optional
+        Per-head width; defaults to ``hidden_size // num_attention_heads``. Must be even (RoPE).
+    rms_norm_eps : float
+        Epsilon of every RMSNorm.
+    rope_theta : float
+        RoPE base. ``rope_scaling`` must be None: scaled RoPE variants are not implemented.
+    max_position_embeddings : int
+        The longest sequence (prompt + generation) a KV cache may hold.
+    tie_word_embeddings : bool
+        ``lm_head.weight`` is ``model.embed_tokens.weight``.
+    attention_bias : bool
+        Biases on the q/k/v projections (for ``llama`` also on o). Always True for ``qwen2``,
+        always False for ``mistral``.
+    model_type : str
+        ``"llama"``, ``"qwen2"`` or ``"mistral"``; decides the Hugging Face class on export.
+    bos_token_id, eos_token_id, pad_token_id : int or list of int, optional
+        Special token ids (``eos_token_id`` may be a list).
+    sliding_window : int, optional
+        Mistral/Qwen2 attention window; sequences longer than it are refused (see module doc).
+    initializer_range : float
+        Standard deviation of the normal initialisation of a freshly built model.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    model_type: str = "llama"
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[Union[int, list[int]]] = None
+    pad_token_id: Optional[int] = None
+    sliding_window: Optional[int] = None
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        ):
+            _check_int(name, getattr(self, name), 1)
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"model_type: expected one of {', '.join(MODEL_TYPES)}, got {self.model_type!r}"
+            )
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        _check_int("num_key_value_heads", self.num_key_value_heads, 1)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: {self.num_key_value_heads} does not divide "
+                f"num_attention_heads = {self.num_attention_heads}"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"head_dim: not given, and hidden_size = {self.hidden_size} is not a multiple "
+                    f"of num_attention_heads = {self.num_attention_heads}"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        _check_int("head_dim", self.head_dim, 2)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: RoPE needs an even head_dim, got {self.head_dim}")
+        _check_float("rms_norm_eps", self.rms_norm_eps)
+        _check_float("rope_theta", self.rope_theta)
+        _check_float("initializer_range", self.initializer_range)
+        if self.rope_scaling is not None:
+            raise ValueError(
+                f"rope_scaling: only plain RoPE (rope_scaling=None) is supported, got "
+                f"{self.rope_scaling!r}"
+            )
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.model_type == "qwen2" and not self.attention_bias:
+            raise ValueError("attention_bias: Qwen2 always has q/k/v biases; it must be True")
+        if self.model_type == "mistral" and self.attention_bias:
+            raise ValueError("attention_bias: Mistral has no attention biases; it must be False")
+        if self.sliding_window is not None:
+            _check_int("sliding_window", self.sliding_window, 1)
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0)
+        _token_ids("eos_token_id", self.eos_token_id)
+        if isinstance(self.eos_token_id, tuple):
+            self.eos_token_id = list(self.eos_token_id)
+
+    # ---- derived sizes ----------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def o_bias(self) -> bool:
+        """Whether o_proj has a bias (Llama with attention_bias only)."""
+        return self.attention_bias and self.model_type == "llama"
+
+    @property
+    def max_length(self) -> int:
+        """The longest sequence this model computes exactly (see ``sliding_window``)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """``eos_token_id`` as a (possibly empty) list."""
+        if self.eos_token_id is None:
+            return []
+        if isinstance(self.eos_token_id, int):
+            return [self.eos_token_id]
+        return list(self.eos_token_id)
+
+    # ---- Hugging Face config.json -----------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Reads a Hugging Face ``config.json`` dict of a Llama, Qwen2 or Mistral model.
+
+        Both the transformers 4 spelling (``rope_theta``, ``rope_scaling``) and the transformers 5
+        one (``rope_parameters``) are accepted. Keys that do not affect the forward pass are
+        ignored.
+
+        Raises
+        ------
+        ValueError
+            An unsupported model type, activation, MLP bias, RoPE scaling, or a missing size.
+        """
+        if not isinstance(hf, dict):
+            raise TypeError(f"hf: expected a dict (a parsed config.json), got {type(hf).__name__}")
+        model_type = hf.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"model_type: unsupported {model_type!r}; Transformer implements "
+                f"{', '.join(MODEL_TYPES)} (wrap other transformers models with HFCausalLM)"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' (SwiGLU) is supported, got {act!r}")
+        if hf.get("mlp_bias", False):
+            raise ValueError("mlp_bias: MLP biases are not supported")
+
+        rope_theta = hf.get("rope_theta")
+        params = hf.get("rope_parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise ValueError(f"rope_parameters: expected a dict, got {params!r}")
+            rope_type = params.get("rope_type", params.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(
+                    f"rope_parameters: only rope_type 'default' is supported, got {rope_type!r}"
+                )
+            rope_theta = params.get("rope_theta", rope_theta)
+        scaling = hf.get("rope_scaling")
+        if scaling is not None:
+            rope_type = (
+                scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+            )
+            # transformers 5 mirrors rope_parameters into rope_scaling; plain RoPE is fine.
+            if rope_type != "default":
+                raise ValueError(
+                    "rope_scaling: only plain RoPE (rope_scaling=None) is supported, got "
+                    f"{scaling!r}"
+                )
+        if rope_theta is None:
+            rope_theta = 10000.0
+
+        sliding_window = hf.get("sliding_window")
+        if model_type == "qwen2" and (
+            not hf.get("use_sliding_window", False)
+            or hf.get("max_window_layers", 0) >= hf.get("num_hidden_layers", 0)
+        ):
+            sliding_window = None
+        if model_type == "llama":
+            sliding_window = None
+
+        missing = [
+            k
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
+            if k not in hf
+        ]
+        if missing:
+            raise ValueError(f"hf: config.json lacks {', '.join(missing)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        # Keys outside the dataclass (dtype, use_cache, dropout, ...) don't affect the forward pass.
+        kwargs = {k: v for k, v in hf.items() if k in fields and k not in _DERIVED_FIELDS}
+        if model_type == "qwen2":
+            kwargs["attention_bias"] = True
+        elif model_type == "mistral":
+            kwargs["attention_bias"] = False
+        if kwargs.get("head_dim") is None:
+            kwargs.pop("head_dim", None)
+        return cls(
+            model_type=model_type,
+            rope_theta=float(rope_theta),
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` dict transformers loads as Llama/Qwen2/MistralForCausalLM.
+
+        Written so that transformers 4.4x-4.5x (``rope_theta``) and 5.x (``rope_parameters``)
+        both read it.
+        """
+        hf: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "use_cache": True,
+        }
+        if self.model_type == "llama":
+            hf["attention_bias"] = self.attention_bias
+            hf["mlp_bias"] = False
+        elif self.model_type == "qwen2":
+            hf["use_sliding_window"] = self.sliding_window is not None
+            hf["sliding_window"] = self.sliding_window
+            # Every layer slides when a window is set: the conservative reading of a window.
+            hf["max_window_layers"] = (
+                0 if self.sliding_window is not None else self.num_hidden_layers
+            )
+        else:
+            hf["sliding_window"] = self.sliding_window
+        return hf
+
+    @classmethod
+    def from_json_file(cls, path: Union[str, os.PathLike]) -> ModelConfig:
+        """Reads a Hugging Face ``config.json`` file (see :meth:`from_hf_config`)."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_hf_config(json.load(f))
+
+    def to_json_file(self, path: Union[str, os.PathLike], **extra: Any) -> None:
+        """Writes :meth:`to_hf_config` (plus ``extra`` keys, e.g. ``torch_dtype``) as JSON."""
+        hf = self.to_hf_config()
+        hf.update(extra)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(hf, f, indent=2, sort_keys=True)
+            f.write("\n")

@@ -1,0 +1,340 @@
+"""An adapter that drives any transformers causal LM through the :class:`CausalLM` protocol.
+
+transformers' ``DynamicCache`` has one length for the whole batch, while speculative decoding
+advances every row by its own accepted count. The adapter therefore keeps a *physical* cache whose
+slots are shared by the batch plus a per-row validity mask ``valid[B, P]``:
+
+* a forward pass appends ``T`` slots to every row and scores the new tokens with an explicit 4-D
+  additive attention mask (the row's valid slots + the tree's ancestor bits) and explicit
+  ``position_ids``, so RoPE / learned positions see each row's true positions;
+* rolling back marks slots invalid, and slots no row needs any more are cropped from the end
+  (``DynamicCache.crop``);
+* compacting a tree keeps the accepted nodes' slots where they are (their K/V were computed at the
+  right positions, attending to exactly the accepted path) and drops the rest from the mask; when
+  the holes outweigh the kept slots, every row's valid slots are gathered to the front.
+
+Invariant: row ``b`` sees exactly its ``lengths[b]`` valid slots, in order; masked slots never
+influence a result.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from ._checks import (
+    as_lengths,
+    check_hidden_indices,
+    check_positive_int,
+    check_tokens,
+    check_tree_mask,
+)
+from .transformer import _tree_bits
+
+
+def _cache_tensors(cache: Any) -> list[tuple[Any, str, str]]:
+    """(holder, key attribute, value attribute) per layer, for transformers 5 and 4."""
+    if hasattr(cache, "layers"):
+        return [(layer, "keys", "values") for layer in cache.layers]
+    return [(cache, i, i) for i in range(len(cache.key_cache))]
+
+
+def _get(holder: Any, attr: Any, kind: str) -> torch.Tensor:
+    if isinstance(attr, int):
+        return (holder.key_cache if kind == "k" else holder.value_cache)[attr]
+    return getattr(holder, attr)
+
+
+def _set(holder: Any, attr: Any, kind: str, value: torch.Tensor) -> None:
+    if isinstance(attr, int):
+        (holder.key_cache if kind == "k" else holder.value_cache)[attr] = value
+    else:
+        setattr(holder, attr, value)
+
+
+class HFCache:
+    """KV state of :class:`HFCausalLM`: a transformers ``DynamicCache`` plus per-row slot masks."""
+
+    def __init__(self, batch_size: int, max_length: int, device: torch.device) -> None:
+        from transformers import DynamicCache
+
+        check_positive_int("batch_size", batch_size)
+        check_positive_int("max_length", max_length)
+        self.hf = DynamicCache()
+        self._max_length = max_length
+        self._device = device
+        self._valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self._host_lengths = torch.zeros(batch_size, dtype=torch.int64)
+        self._lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        # (first physical slot, T, row lengths before the pass) of the last forward pass.
+        self._tree: Optional[tuple[int, int, torch.Tensor]] = None
+
+    @property
+    def batch_size(self) -> int:
+        return self._valid.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """int32 ``[B]``: tokens held per row."""
+        return self._lengths
+
+    @property
+    def physical_length(self) -> int:
+        """Slots in transformers' cache (>= every row's length; the excess are holes)."""
+        return self._valid.shape[1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """bool ``[B, physical_length]``: the slots each row attends to."""
+        return self._valid
+
+    def _set_lengths(self, lengths: torch.Tensor) -> None:
+        self._host_lengths.copy_(lengths)
+        self._lengths.copy_(lengths.to(self._device, torch.int32))
+
+    def truncate(self, lengths: Union[int, Sequence[int], torch.Tensor]) -> None:
+        """Rolls every row back to ``lengths`` tokens (each at most its current length)."""
+        new = as_lengths(lengths, self.batch_size)
+        bad = (new < 0) | (new > self._host_lengths)
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0])
+            raise ValueError(
+                f"lengths: row {b} cannot be truncated to {int(new[b])}: it holds "
+                f"{int(self._host_lengths[b])} tokens (truncate only shortens rows)"
+            )
+        rank = torch.cumsum(self._valid.long(), dim=1)
+        self._valid &= rank <= new.to(self._device).unsqueeze(1)
+        self._set_lengths(new)
+        self._tree = None
+        self._crop()
+
+    def compact(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Keeps nodes ``path[b, :num_accepted[b]]`` of the last forward's tree (see
+        :meth:`specdecode.models.ModelCache.compact`)."""
+        if self._tree is None:
+            raise ValueError(
+                "compact: no tree to compact; call it once right after the forward pass that "
+                "scored the tree"
+            )
+        start_slot, t, start = self._tree
+        for name, x in (("path", path), ("num_accepted", num_accepted)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            if x.dtype != torch.int32:
+                raise TypeError(f"{name}: expected int32, got {x.dtype}")
+        batch = self.batch_size
+        if path.dim() != 2 or path.shape[0] != batch:
+            raise ValueError(f"path: expected shape [{batch}, P], got {list(path.shape)}")
+        if tuple(num_accepted.shape) != (batch,):
+            raise ValueError(
+                f"num_accepted: expected shape [{batch}], got {list(num_accepted.shape)}"
+            )
+        path = path.to("cpu", torch.int64)
+        counts = num_accepted.to("cpu", torch.int64)
+        width = path.shape[1]
+        if bool((counts < 0).any()) or bool((counts > width).any()):
+            raise ValueError(
+                f"num_accepted: expected values in [0, {width}], got {counts.tolist()}"
+            )
+        used = torch.arange(width).unsqueeze(0) < counts.unsqueeze(1)
+        nodes = torch.where(used, path, torch.zeros_like(path))
+        if bool((used & ((path < 0) | (path >= t))).any()):
+            raise ValueError(f"path: accepted nodes must be in [0, {t}), the last forward's tokens")
+        steps = used[:, 1:] & (nodes[:, 1:] <= nodes[:, :-1])
+        if bool(steps.any()):
+            raise ValueError("path: accepted nodes must be strictly increasing (root first)")
+        keep = torch.zeros(batch, t, dtype=torch.bool)
+        rows = torch.arange(batch).unsqueeze(1).expand(batch, width)
+        keep[rows[used], path[used]] = True
+        self._valid[:, start_slot : start_slot + t] = keep.to(self._device)
+        self._set_lengths(start + counts)
+        self._tree = None
+        self._crop()
+        if self.physical_length > 2 * int(self._host_lengths.max()) + 32:
+            self._squeeze()
+
+    def _crop(self) -> None:
+        """Drops trailing slots that no row uses."""
+        used = self._valid.any(dim=0)
+        keep = int(torch.nonzero(used).max()) + 1 if bool(used.any()) else 0
+        remove = self.physical_length - keep
+        if remove > 0:
+            self.hf.crop(-remove)
+            self._valid = self._valid[:, :keep]
+
+    def _squeeze(self) -> None:
+        """Gathers each row's valid slots to the front, in order (removes holes)."""
+        longest = int(self._host_lengths.max())
+        # A stable sort of "invalid" puts valid slots first, keeping their order.
+        order = torch.argsort((~self._valid).to(torch.int8), dim=1, stable=True)[:, :longest]
+        for holder, k_attr, v_attr in _cache_tensors(self.hf):
+            for attr, kind in ((k_attr, "k"), (v_attr, "v")):
+                x = _get(holder, attr, kind)
+                if x is None or x.numel() == 0:
+                    continue
+                b, h, _, d = x.shape
+                index = order.view(b, 1, longest, 1).expand(b, h, longest, d)
+                _set(holder, attr, kind, x.gather(2, index))
+        steps = torch.arange(longest, device=self._device).unsqueeze(0)
+        self._valid = steps < self._lengths.long().unsqueeze(1)
+
+
+class HFCausalLM:
+    """Any transformers causal LM (Llama, Qwen2, Mistral, GPT-2, ...) as a :class:`CausalLM`.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A causal LM whose forward accepts ``attention_mask`` as a 4-D additive mask,
+        ``position_ids`` and ``past_key_values`` (every decoder-only model in transformers with
+        the ``eager`` or ``sdpa`` attention). It is put in eval mode.
+    """
+
+    def __init__(self, model: Any) -> None:
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise TypeError(
+                f"model: expected a transformers PreTrainedModel, got {type(model).__name__}"
+            )
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        if "flash" in impl:
+            raise ValueError(
+                f"model: attention implementation {impl!r} takes no 4-D masks; load the model "
+                "with attn_implementation='sdpa' or 'eager'"
+            )
+        self.model = model.eval()
+        head = model.get_output_embeddings()
+        self._vocab_size = (
+            int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+        )
+        config = model.config
+        limit = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+        window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True) is False:
+            window = None
+        candidates = [v for v in (limit, window) if isinstance(v, int) and v > 0]
+        self._max_length = min(candidates) if candidates else 1 << 20
+        self._num_layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
+
+    @classmethod
+    def from_pretrained(cls, directory: Union[str, os.PathLike], **kwargs: Any) -> HFCausalLM:
+        """Loads a local checkpoint with ``AutoModelForCausalLM`` (no download) and wraps it."""
+        from transformers import AutoModelForCausalLM
+
+        kwargs.setdefault("attn_implementation", "sdpa")
+        kwargs.setdefault("local_files_only", True)
+        return cls(AutoModelForCausalLM.from_pretrained(directory, **kwargs))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def new_cache(self, batch_size: int, max_length: Optional[int] = None) -> HFCache:
+        """An empty :class:`HFCache`; ``max_length`` defaults to (and may not exceed) the model's
+        position limit / sliding window."""
+        if max_length is None:
+            max_length = self._max_length
+        check_positive_int("max_length", max_length)
+        if max_length > self._max_length:
+            raise ValueError(
+                f"max_length: {max_length} exceeds the model's max length {self._max_length} "
+                "(max_position_embeddings / sliding_window)"
+            )
+        return HFCache(batch_size, max_length, self.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: HFCache,
+        tree_mask: Optional[torch.Tensor] = None,
+        output_hidden: Optional[Sequence[int]] = None,
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+        """Scores ``T`` new tokens per row (see :meth:`specdecode.models.CausalLM.forward`).
+
+        Hidden state ``i`` is transformers' ``hidden_states[i]`` (0 = embeddings; for most models
+        the last entry has the final norm applied).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :meth:`specdecode.models.Transformer.forward`; the cache is unchanged then.
+        """
+        if not isinstance(cache, HFCache):
+            raise TypeError(
+                f"cache: expected an HFCache (from new_cache), got {type(cache).__name__}"
+            )
+        device = self.device
+        input_ids, positions = check_tokens(
+            input_ids, positions, self._vocab_size, cache.batch_size, device
+        )
+        batch, t = input_ids.shape
+        check_tree_mask(tree_mask, batch, t, device)
+        wanted = check_hidden_indices(output_hidden, self._num_layers)
+        longest = int(cache._host_lengths.max())
+        if longest + t > cache.max_length:
+            raise ValueError(
+                f"input_ids: {t} new tokens do not fit the cache: a row holds {longest} of at "
+                f"most {cache.max_length} tokens (max_length exceeded)"
+            )
+        if int(positions.max()) >= self._max_length:
+            raise ValueError(
+                f"positions: {int(positions.max())} is beyond the model's max length "
+                f"{self._max_length}"
+            )
+        if tree_mask is None:
+            visible = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(batch, t, t)
+        else:
+            visible = _tree_bits(tree_mask.contiguous(), t)
+        p = cache.physical_length
+        allowed = torch.cat((cache.valid.unsqueeze(1).expand(batch, t, p), visible), dim=2)
+        dtype = self.dtype
+        # Additive mask: 0 where a key is visible, the dtype's minimum elsewhere (finite, so a
+        # row that sees nothing gives a uniform average instead of NaN).
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        start = cache._host_lengths.clone()
+        with torch.no_grad():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask.unsqueeze(1),
+                position_ids=positions,
+                past_key_values=cache.hf,
+                use_cache=True,
+                output_hidden_states=bool(wanted),
+                return_dict=True,
+            )
+        if out.past_key_values is not None:
+            cache.hf = out.past_key_values
+        cache._valid = torch.cat(
+            (cache.valid, torch.ones(batch, t, dtype=torch.bool, device=device)), dim=1
+        )
+        cache._set_lengths(start + t)
+        cache._tree = (p, t, start)
+        logits = out.logits
+        if output_hidden is None:
+            return logits
+        return logits, tuple(out.hidden_states[i] for i in wanted)

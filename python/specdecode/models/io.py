@@ -1,0 +1,60 @@
+"""Reading and writing the Hugging Face checkpoint layout: config.json + safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Union
+
+import torch
+
+PathLike = Union[str, os.PathLike]
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def read_config(directory: PathLike) -> dict:
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"directory: no {CONFIG_NAME} in {directory}")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_state_dict(directory: PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards listed in its index file."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    single = directory / WEIGHTS_NAME
+    if single.is_file():
+        return load_file(str(single))
+    index = directory / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(load_file(str(directory / shard)))
+        return tensors
+    raise FileNotFoundError(
+        f"directory: neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME} in {directory}"
+    )
+
+
+def save_state_dict(tensors: dict[str, torch.Tensor], directory: PathLike) -> None:
+    """Writes ``model.safetensors`` with the metadata transformers expects."""
+    from safetensors.torch import save_file
+
+    # safetensors refuses shared or strided storage; every tensor is written as its own copy.
+    plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    save_file(plain, str(Path(directory) / WEIGHTS_NAME), metadata={"format": "pt"})

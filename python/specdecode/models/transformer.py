@@ -1,0 +1,558 @@
+"""A Llama-style decoder on specdecode's ops, in the Hugging Face parameter layout.
+
+Parameter names are exactly those of transformers' ``LlamaForCausalLM`` /
+``Qwen2ForCausalLM`` / ``MistralForCausalLM`` (``model.embed_tokens.weight``,
+``model.layers.{i}.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``), so
+``state_dict()`` is the content of their ``model.safetensors`` (minus ``lm_head.weight`` when the
+embeddings are tied, as transformers saves it).
+
+Two forward paths share every layer:
+
+* :meth:`Transformer.forward_train`: a plain differentiable causal LM over whole sequences
+  (``scaled_dot_product_attention(is_causal=True)``), for training.
+* :meth:`Transformer.forward`: incremental inference over a static :class:`KVCache` with
+  explicit positions and an optional tree mask, attention through
+  :func:`specdecode.ops.tree_attention` (the :class:`~specdecode.models.CausalLM` protocol).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ._checks import check_hidden_indices, check_positive_int, check_tokens, check_tree_mask
+from .cache import KVCache
+from .config import ModelConfig
+from .io import CONFIG_NAME, dtype_name, load_state_dict, read_config, save_state_dict
+
+PathLike = Union[str, os.PathLike]
+
+# attention(layer index, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> [B,T,Hq,D]
+_AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight, as transformers does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[B, T, H, D]``; cos/sin ``[B, T, D]`` (non-interleaved halves, the HF convention)."""
+    return x * cos.unsqueeze(2) + _rotate_half(x) * sin.unsqueeze(2)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: _AttentionFn,
+        layer: int,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q = _apply_rope(q, cos, sin)
+        k = _apply_rope(k, cos, sin)
+        out = attend(layer, q, k, v)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, m = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, m, bias=False)
+        self.up_proj = nn.Linear(h, m, bias=False)
+        self.down_proj = nn.Linear(m, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: _AttentionFn,
+        layer: int,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The ``model.`` prefix of the Hugging Face layout."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, H, S, D]`` -> ``[B, H * groups, S, D]``, query head h reading KV head h // groups."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _tree_bits(tree_mask: torch.Tensor, t: int) -> torch.Tensor:
+    """bool ``[B, T, T]`` from the uint32 ancestor bitmask."""
+    words = tree_mask.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    j = torch.arange(t, device=tree_mask.device)
+    return ((words[:, :, j // 32] >> (j % 32)) & 1).bool()
+
+
+class Transformer(nn.Module):
+    """Llama / Qwen2 / Mistral style decoder (RMSNorm, RoPE, SwiGLU, GQA).
+
+    Parameters
+    ----------
+    config : ModelConfig
+        The architecture. The model is built in float32 on the CPU with the Hugging Face
+        initialisation (normal(0, ``initializer_range``) weights, zero biases, unit norms); use
+        ``.to(device, dtype)`` to move it.
+
+    Attributes
+    ----------
+    attention : str
+        ``"auto"`` (default): ``ops.tree_attention`` when it supports the head dim, dtype and
+        device, else the PyTorch implementation; ``"ops"`` forces the kernel (errors where it
+        does not apply); ``"torch"`` forces PyTorch (a dense masked SDPA; the reference).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.attention = "auto"
+        self.reset_parameters()
+
+    # ---- construction ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Hugging Face's initialisation: N(0, initializer_range), zero biases, unit norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def max_length(self) -> int:
+        return self.config.max_length
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    # ---- shared pieces -------------------------------------------------------------------------
+
+    def _rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Angles in float32 from integer positions, then cast: the transformers computation. The
+        # frequencies are recomputed (not a buffer) so that .to(dtype) can never round them.
+        d = self.config.head_dim
+        steps = torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d
+        inv_freq = 1.0 / (self.config.rope_theta**steps)
+        freqs = positions[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: _AttentionFn,
+        hidden_indices: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self._rope(positions, x.dtype)
+        wanted = set(hidden_indices)
+        hidden: dict[int, torch.Tensor] = {}
+        if 0 in wanted:
+            hidden[0] = x
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, attend, i)
+            if i + 1 in wanted:
+                hidden[i + 1] = x
+        logits = self.lm_head(self.model.norm(x))
+        return logits, [hidden[i] for i in hidden_indices]
+
+    # ---- training path -----------------------------------------------------------------------
+
+    def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Causal LM over whole sequences (differentiable; no cache).
+
+        Parameters
+        ----------
+        input_ids : torch.Tensor
+            integer ``[B, T]``, ids in ``[0, vocab_size)``, ``1 <= T <= max_length``; token
+            ``t`` sits at position ``t``.
+
+        Returns
+        -------
+        torch.Tensor
+            logits ``[B, T, vocab_size]`` in the model's dtype; ``logits[:, t]`` predicts token
+            ``t + 1``.
+        """
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids: expected a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected shape [B, T], got {list(input_ids.shape)}")
+        t = input_ids.shape[1]
+        if t > self.config.max_length:
+            raise ValueError(
+                f"input_ids: {t} tokens exceed the model's max length {self.config.max_length}"
+            )
+        positions = torch.arange(t, device=input_ids.device).expand(input_ids.shape[0], t)
+        input_ids, positions = check_tokens(
+            input_ids, positions, self.vocab_size, input_ids.shape[0], self.device
+        )
+        groups = self.config.num_groups
+
+        def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+            out = F.scaled_dot_product_attention(
+                q, _repeat_kv(k, groups), _repeat_kv(v, groups), is_causal=True
+            )
+            return out.transpose(1, 2)
+
+        logits, _ = self._run(input_ids, positions, attend)
+        return logits
+
+    # ---- inference path ----------------------------------------------------------------------
+
+    def new_cache(
+        self,
+        batch_size: int,
+        max_length: Optional[int] = None,
+        *,
+        dtype: Optional[torch.dtype] = None,
+        device: Union[torch.device, str, None] = None,
+    ) -> KVCache:
+        """A static KV cache for ``batch_size`` rows of up to ``max_length`` tokens.
+
+        ``max_length`` defaults to the model's max length (``max_position_embeddings``, or the
+        sliding window if smaller) and may not exceed it. The cache takes the model's dtype and
+        device unless given.
+        """
+        check_positive_int("batch_size", batch_size)
+        limit = self.config.max_length
+        if max_length is None:
+            max_length = limit
+        check_positive_int("max_length", max_length)
+        if max_length > limit:
+            raise ValueError(
+                f"max_length: {max_length} exceeds the model's max length {limit} "
+                "(max_position_embeddings / sliding_window)"
+            )
+        return KVCache(
+            self.config.num_hidden_layers,
+            batch_size,
+            max_length,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            dtype=dtype or self.dtype,
+            device=device if device is not None else self.device,
+        )
+
+    def _use_kernel(self, q: torch.Tensor) -> bool:
+        if self.attention == "torch":
+            return False
+        supported = (
+            q.shape[-1] in ops.HEAD_DIMS
+            and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and (q.device.type == "cpu" or specdecode_has_cuda())
+        )
+        if self.attention == "ops":
+            if not supported:
+                raise ValueError(
+                    f"attention='ops': tree_attention does not support head_dim {q.shape[-1]} "
+                    f"(supported {ops.HEAD_DIMS}), dtype {q.dtype} or device {q.device}"
+                )
+            return True
+        if self.attention != "auto":
+            raise ValueError(
+                f"attention: expected 'auto', 'ops' or 'torch', got {self.attention!r}"
+            )
+        return supported
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        tree_mask: Optional[torch.Tensor] = None,
+        output_hidden: Optional[Sequence[int]] = None,
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+        """Scores ``T`` new tokens per row over the cache and appends their K/V to it.
+
+        Parameters
+        ----------
+        input_ids : torch.Tensor
+            integer ``[B, T]``, ids in ``[0, vocab_size)``, on the model's device.
+        positions : torch.Tensor
+            integer ``[B, T]``, ``>= 0``: RoPE position of each token (``lengths[b] + t`` for a
+            chain, ``lengths[b] + depth`` for a tree).
+        cache : KVCache
+            From :meth:`new_cache`, ``B`` rows; the new tokens go to slots
+            ``[lengths[b], lengths[b] + T)`` (which must fit) and ``lengths`` grows by ``T``.
+        tree_mask : torch.Tensor, optional
+            uint32 ``[B, T, ceil(T / 32)]`` from :func:`specdecode.ops.tree_info`: token ``i``
+            attends to the whole cached prefix and to the new tokens whose bit is set in row
+            ``i``. None: a causal chain (token ``i`` sees new tokens ``0..i``).
+        output_hidden : sequence of int, optional
+            Hidden states to return (0 = embeddings, ``i`` = output of layer ``i``; negative
+            indices count from ``L + 1``).
+
+        Returns
+        -------
+        torch.Tensor or (torch.Tensor, tuple of torch.Tensor)
+            logits ``[B, T, vocab_size]``; with ``output_hidden`` also the hidden states
+            ``[B, T, hidden_size]`` in the requested order.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Wrong types/shapes/devices, token ids outside the vocabulary, negative positions, a
+            malformed mask, or no room left in the cache; the cache is unchanged then.
+        """
+        if not isinstance(cache, KVCache):
+            raise TypeError(
+                f"cache: expected a KVCache (from new_cache), got {type(cache).__name__}"
+            )
+        if cache.num_layers != self.config.num_hidden_layers or cache.k.shape[3:] != (
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+        ):
+            raise ValueError("cache: its layer count or head shape does not match this model")
+        if cache.device != self.device:
+            raise ValueError(f"cache: on {cache.device}, the model on {self.device}")
+        input_ids, positions = check_tokens(
+            input_ids, positions, self.vocab_size, cache.batch_size, self.device
+        )
+        batch, t = input_ids.shape
+        check_tree_mask(tree_mask, batch, t, self.device)
+        if tree_mask is not None:
+            tree_mask = tree_mask.contiguous()
+        wanted = check_hidden_indices(output_hidden, self.config.num_hidden_layers)
+        slots = cache._begin(t)
+        prefix = cache.lengths
+        rows = torch.arange(batch, device=self.device).unsqueeze(1)
+        groups = self.config.num_groups
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        allowed: list[Optional[torch.Tensor]] = [None]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = cache.layer(layer)
+            k_cache[rows, slots] = k.to(k_cache.dtype)
+            v_cache[rows, slots] = v.to(v_cache.dtype)
+            if self._use_kernel(q):
+                return ops.tree_attention(
+                    q.contiguous(), k_cache, v_cache, prefix, tree_mask, scale=scale
+                )
+            if allowed[0] is None:
+                allowed[0] = self._dense_mask(prefix, slots, tree_mask, t)
+            return self._attention_torch(q, k_cache, v_cache, allowed[0], groups, scale)
+
+        with torch.no_grad():
+            logits, hidden = self._run(input_ids, positions, attend, wanted)
+        cache._commit(t)
+        if output_hidden is None:
+            return logits
+        return logits, tuple(hidden)
+
+    @staticmethod
+    def _dense_mask(
+        prefix: torch.Tensor, slots: torch.Tensor, tree_mask: Optional[torch.Tensor], t: int
+    ) -> torch.Tensor:
+        """bool ``[B, T, S]`` over cache slots ``0 .. max(prefix) + T - 1``."""
+        batch = prefix.shape[0]
+        s = int(slots.max()) + 1
+        device = prefix.device
+        allowed = torch.arange(s, device=device).view(1, 1, s) < prefix.view(batch, 1, 1).long()
+        allowed = allowed.expand(batch, t, s).clone()
+        if tree_mask is None:
+            visible = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(batch, t, t)
+        else:
+            visible = _tree_bits(tree_mask, t)
+        allowed.scatter_(2, slots.unsqueeze(1).expand(batch, t, t), visible)
+        return allowed
+
+    @staticmethod
+    def _attention_torch(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        allowed: torch.Tensor,
+        groups: int,
+        scale: float,
+    ) -> torch.Tensor:
+        s = allowed.shape[-1]
+        k = _repeat_kv(k_cache[:, :s].transpose(1, 2).to(q.dtype), groups)
+        v = _repeat_kv(v_cache[:, :s].transpose(1, 2).to(q.dtype), groups)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=allowed.unsqueeze(1), scale=scale
+        )
+        # A row that sees nothing (a padding node with an empty prefix) yields 0, as the kernel.
+        seen = allowed.any(-1)  # [B, T]
+        out = out.transpose(1, 2)
+        return torch.where(seen[:, :, None, None], out, torch.zeros_like(out))
+
+    # ---- Hugging Face checkpoints ------------------------------------------------------------
+
+    def save_pretrained(self, directory: PathLike) -> None:
+        """Writes ``config.json`` and ``model.safetensors`` in the Hugging Face layout.
+
+        transformers loads the directory with ``AutoModelForCausalLM.from_pretrained`` as the
+        class of ``config.model_type``. With tied embeddings ``lm_head.weight`` is not written
+        (transformers ties it on load).
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict()
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_state_dict(state, directory)
+        self.config.to_json_file(directory / CONFIG_NAME, torch_dtype=dtype_name(self.dtype))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: PathLike,
+        *,
+        dtype: Optional[torch.dtype] = None,
+        device: Union[torch.device, str, None] = None,
+    ) -> Transformer:
+        """Loads a local Llama / Qwen2 / Mistral checkpoint (config.json + safetensors).
+
+        Parameters
+        ----------
+        directory : str or os.PathLike
+            Holds ``config.json`` and ``model.safetensors`` (or a sharded
+            ``model.safetensors.index.json``).
+        dtype : torch.dtype, optional
+            Parameter dtype; default: the checkpoint's.
+        device : torch.device or str, optional
+            Where to put the model (default CPU).
+
+        Raises
+        ------
+        FileNotFoundError
+            A file is missing.
+        ValueError
+            An unsupported config, or tensors missing, unexpected or of the wrong shape.
+        """
+        config = ModelConfig.from_hf_config(read_config(directory))
+        tensors = load_state_dict(directory)
+        model = cls(config)
+        expected = model.state_dict()
+        if config.tie_word_embeddings:
+            # Tied checkpoints normally omit lm_head; if present it must be the embedding.
+            head = tensors.pop("lm_head.weight", None)
+            expected.pop("lm_head.weight")
+            embed = tensors.get("model.embed_tokens.weight")
+            if head is not None and embed is not None and not torch.equal(head, embed):
+                raise ValueError(
+                    "lm_head.weight differs from model.embed_tokens.weight, but the config says "
+                    "tie_word_embeddings=True"
+                )
+        # Older checkpoints stored the RoPE table; it is recomputed from the config.
+        for key in [k for k in tensors if k.endswith("rotary_emb.inv_freq")]:
+            del tensors[key]
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"directory: checkpoint does not match the config: missing {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''}"
+            )
+        for key, value in tensors.items():
+            if tuple(value.shape) != tuple(expected[key].shape):
+                raise ValueError(
+                    f"directory: tensor {key} has shape {list(value.shape)}, the config implies "
+                    f"{list(expected[key].shape)}"
+                )
+        if dtype is None:
+            dtype = tensors["model.embed_tokens.weight"].dtype
+        model.to(dtype)
+        model.load_state_dict(tensors, strict=not config.tie_word_embeddings)
+        if device is not None:
+            model.to(device)
+        return model
+
+
+@functools.cache
+def specdecode_has_cuda() -> bool:
+    from .._info import info
+
+    return bool(info()["cuda"]["compiled"])

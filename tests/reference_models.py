@@ -1,0 +1,89 @@
+"""Tiny random Hugging Face models for the model-layer tests (nothing is downloaded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+transformers = __import__("pytest").importorskip(
+    "transformers", reason="transformers is needed for parity tests (pip install .[test])"
+)
+
+# head_dim 64 so that the inference path runs on ops.tree_attention (it supports 64..256).
+BASE = dict(
+    vocab_size=101,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=1000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def hf_config(model_type: str, **overrides: Any):
+    """A transformers config object of the given family."""
+    kwargs = dict(BASE)
+    kwargs.update(overrides)
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }[model_type]
+    if model_type == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    return cls(**kwargs)
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> torch.nn.Module:
+    """Weights far from the tiny default init, so that every term matters to the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name or name.endswith("ln_f.weight"):
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(std * torch.randn(p.shape, generator=gen) * (4.0 if p.dim() == 1 else 1.0))
+    return model
+
+
+def hf_model(model_type: str, seed: int = 0, **overrides: Any):
+    """A randomised transformers causal LM in eval mode with the eager/sdpa attention."""
+    torch.manual_seed(seed)
+    config = hf_config(model_type, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    randomize(model, seed)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model.eval()
+
+
+def gpt2_model(seed: int = 0, **overrides: Any):
+    kwargs = dict(
+        vocab_size=101,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        n_positions=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**kwargs))
+    randomize(model, seed)
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The full-sequence logits transformers computes itself."""
+    return model(input_ids=input_ids, use_cache=False).logits

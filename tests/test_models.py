@@ -1,0 +1,278 @@
+"""ModelConfig, Transformer.forward_train and the Hugging Face checkpoint layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from reference_models import BASE, hf_config, hf_logits, hf_model, randomize, transformers
+from specdecode.models import ModelConfig, Transformer
+
+FAMILIES = ["llama", "qwen2", "mistral"]
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    kwargs = dict(BASE)
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+# ---- ModelConfig ---------------------------------------------------------------------------
+
+
+def test_config_defaults():
+    c = ModelConfig(
+        vocab_size=10, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4,
+    )  # fmt: skip
+    assert c.num_key_value_heads == 4
+    assert c.head_dim == 16
+    assert c.num_groups == 1
+    assert c.max_length == c.max_position_embeddings
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        ({"num_key_value_heads": 3}, ValueError, "num_key_value_heads"),
+        ({"model_type": "gpt2"}, ValueError, "model_type"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ValueError, "rope_scaling"),
+        ({"vocab_size": 0}, ValueError, "vocab_size"),
+        ({"hidden_size": 130, "num_attention_heads": 4}, ValueError, "head_dim"),
+        ({"head_dim": 63}, ValueError, "head_dim"),
+        ({"rms_norm_eps": -1.0}, ValueError, "rms_norm_eps"),
+        ({"vocab_size": 10.0}, TypeError, "vocab_size"),
+        ({"model_type": "qwen2", "attention_bias": False}, ValueError, "attention_bias"),
+        ({"model_type": "mistral", "attention_bias": True}, ValueError, "attention_bias"),
+        ({"eos_token_id": [2, -1]}, ValueError, "eos_token_id"),
+    ],
+)
+def test_config_rejects(overrides, error, match):
+    with pytest.raises(error, match=match):
+        tiny_config(**overrides)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_hf_roundtrip(family):
+    overrides = {"attention_bias": True} if family == "qwen2" else {}
+    ours = tiny_config(model_type=family, tie_word_embeddings=True, **overrides)
+    hf = ours.to_hf_config()
+    assert hf["architectures"] == [
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[
+            family
+        ]
+    ]
+    assert ModelConfig.from_hf_config(json.loads(json.dumps(hf))) == ours
+    # transformers reads the same numbers back.
+    theirs = transformers.AutoConfig.for_model(**hf)
+    assert theirs.model_type == family
+    assert theirs.num_key_value_heads == ours.num_key_value_heads
+    assert theirs.rope_parameters["rope_theta"] == ours.rope_theta
+    assert ModelConfig.from_hf_config(theirs.to_dict()) == ours
+
+
+def test_config_from_transformers_configs():
+    for family in FAMILIES:
+        c = ModelConfig.from_hf_config(hf_config(family).to_dict())
+        assert c.model_type == family
+        assert c.attention_bias == (family == "qwen2")
+        assert c.rope_theta == BASE["rope_theta"]
+        assert c.head_dim == 64
+    # The transformers 4 spelling of RoPE.
+    legacy = hf_config("llama").to_dict()
+    legacy.pop("rope_parameters")
+    legacy.update(rope_theta=123.0, rope_scaling=None)
+    assert ModelConfig.from_hf_config(legacy).rope_theta == 123.0
+    # A Mistral window is kept: the model refuses sequences longer than it.
+    c = ModelConfig.from_hf_config(hf_config("mistral", sliding_window=64).to_dict())
+    assert c.sliding_window == 64 and c.max_length == 64
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_parameters"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ],
+)
+def test_config_from_hf_rejects_unsupported(change, match):
+    hf = hf_config("llama").to_dict()
+    hf.update(change)
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_config(hf)
+
+
+def test_config_from_hf_missing_size():
+    hf = hf_config("llama").to_dict()
+    del hf["hidden_size"]
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelConfig.from_hf_config(hf)
+
+
+# ---- parameter layout ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_state_dict_is_hf_layout(family, tied):
+    ours = Transformer(
+        ModelConfig.from_hf_config(hf_config(family, tie_word_embeddings=tied).to_dict())
+    )
+    theirs = hf_model(family, tie_word_embeddings=tied)
+    ours_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    theirs_shapes = {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
+    assert ours_shapes == theirs_shapes
+    if tied:
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+def test_init_matches_hf_scheme():
+    model = Transformer(tiny_config(initializer_range=0.05, attention_bias=True))
+    q = model.model.layers[0].self_attn.q_proj
+    assert abs(float(q.weight.detach().std()) - 0.05) < 0.01
+    assert torch.count_nonzero(q.bias) == 0
+    assert torch.equal(model.model.norm.weight, torch.ones(BASE["hidden_size"]))
+
+
+# ---- forward_train parity with transformers ------------------------------------------------
+
+
+def _ids(batch: int, t: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(
+        0, BASE["vocab_size"], (batch, t), generator=torch.Generator().manual_seed(seed)
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_checkpoint_loads_with_same_logits(tmp_path, family, tied):
+    theirs = hf_model(family, tie_word_embeddings=tied)
+    theirs.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    assert ours.config.model_type == family
+    ids = _ids(3, 17)
+    expected = hf_logits(theirs, ids)
+    got = ours.forward_train(ids)
+    assert got.shape == (3, 17, BASE["vocab_size"])
+    assert float(expected.abs().max()) > 1.0  # the random weights make the logits non-trivial
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_our_checkpoint_loads_in_transformers(tmp_path, family, tied):
+    overrides = {"attention_bias": True} if family == "qwen2" else {}
+    ours = randomize(
+        Transformer(tiny_config(model_type=family, tie_word_embeddings=tied, **overrides)), seed=3
+    )
+    ours.save_pretrained(tmp_path)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["config.json", "model.safetensors"]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == ours.config.to_hf_config()["architectures"][0]
+    ids = _ids(2, 21, seed=5)
+    torch.testing.assert_close(
+        ours.forward_train(ids).detach(), hf_logits(theirs, ids), rtol=1e-4, atol=1e-4
+    )
+    # And back: the round trip keeps every tensor.
+    again = Transformer.from_pretrained(tmp_path)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+
+
+def test_llama_attention_bias_and_gqa_groups(tmp_path):
+    theirs = hf_model(
+        "llama", attention_bias=True, num_attention_heads=4, num_key_value_heads=2, head_dim=32
+    )
+    theirs.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    assert ours.model.layers[0].self_attn.o_proj.bias is not None
+    ids = _ids(2, 9)
+    torch.testing.assert_close(
+        ours.forward_train(ids), hf_logits(theirs, ids), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_forward_train_is_differentiable():
+    model = Transformer(tiny_config())
+    ids = _ids(2, 8)
+    logits = model.forward_train(ids)
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert float(model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum()) > 0
+
+
+def test_forward_train_is_causal():
+    model = Transformer(tiny_config())
+    ids = _ids(1, 12)
+    changed = ids.clone()
+    changed[0, 7] = (changed[0, 7] + 1) % BASE["vocab_size"]
+    a, b = model.forward_train(ids), model.forward_train(changed)
+    torch.testing.assert_close(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_bf16_matches_transformers(tmp_path):
+    theirs = hf_model("llama")
+    theirs.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert ours.dtype == torch.bfloat16
+    ids = _ids(2, 10)
+    theirs = theirs.to(torch.bfloat16)
+    got, expected = ours.forward_train(ids), hf_logits(theirs, ids)
+    assert got.dtype == torch.bfloat16
+    # bf16 rounding differs with the order of operations; a few ulps of the logits' scale.
+    scale = float(expected.float().abs().max())
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=0.03 * scale)
+
+
+@pytest.mark.parametrize(
+    "ids, error, match",
+    [
+        (torch.tensor([[1, 2, 101]]), ValueError, "outside the vocabulary"),
+        (torch.tensor([[-1, 2]]), ValueError, "outside the vocabulary"),
+        (torch.tensor([1, 2]), ValueError, r"\[B, T\]"),
+        (torch.tensor([[1.0, 2.0]]), TypeError, "integer"),
+        (torch.zeros(1, 257, dtype=torch.int64), ValueError, "max length"),
+        ([[1, 2]], TypeError, "torch.Tensor"),
+    ],
+)
+def test_forward_train_rejects_bad_input(ids, error, match):
+    model = Transformer(tiny_config())
+    with pytest.raises(error, match=match):
+        model.forward_train(ids)
+
+
+def test_from_pretrained_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Transformer.from_pretrained(tmp_path)
+    hf_model("llama").save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="missing"):
+        Transformer.from_pretrained(tmp_path)
+    cfg["num_hidden_layers"] = 2
+    cfg["intermediate_size"] = 100
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="shape"):
+        Transformer.from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        Transformer.from_pretrained(tmp_path)
+
+
+def test_gpt2_checkpoint_is_refused(tmp_path):
+    from reference_models import gpt2_model
+
+    gpt2_model().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="HFCausalLM"):
+        Transformer.from_pretrained(tmp_path)

@@ -1,0 +1,302 @@
+"""The CausalLM protocol on Transformer and HFCausalLM: prefill, decode, trees, rollback,
+compaction.
+
+Every incremental result is checked against transformers' own full-sequence forward pass over
+the sequence that the cache is supposed to represent at that point.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference_models import BASE, gpt2_model, hf_logits, hf_model
+from specdecode.models import CausalLM, HFCausalLM, ModelConfig, Transformer
+
+from specdecode import ops
+
+V = BASE["vocab_size"]
+TOL = dict(rtol=1e-4, atol=1e-4)
+# Parents of a 7-node draft tree: root 0 with children 1, 2; 1 has 3, 4; 2 has 5; 3 has 6.
+TREE = [-1, 0, 0, 1, 1, 2, 3]
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, V, (n,), generator=g).tolist()
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def make_models(family: str, attention: str = "auto"):
+    """(our model on the protocol, full-sequence reference logits function)."""
+    if family == "gpt2":
+        theirs = gpt2_model()
+        return HFCausalLM(theirs), lambda ids: hf_logits(theirs, ids)
+    hf_kind, _, which = family.partition(":")
+    theirs = hf_model(hf_kind)
+    if which == "hf":
+        return HFCausalLM(theirs), lambda ids: hf_logits(theirs, ids)
+    ours = Transformer(ModelConfig.from_hf_config(theirs.config.to_dict()))
+    ours.load_state_dict(theirs.state_dict())
+    ours.attention = attention
+    return ours, lambda ids: hf_logits(theirs, ids)
+
+
+def prefill(model: CausalLM, cache, prompts: list[list[int]]) -> torch.Tensor:
+    """Ragged prefill: one padded chain pass, then each row truncated to its prompt."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    start = cache.lengths.long().unsqueeze(1)
+    positions = start + torch.arange(width)
+    logits = model.forward(ids, positions, cache)
+    cache.truncate((start.squeeze(1) + torch.tensor([len(p) for p in prompts])).tolist())
+    return logits
+
+
+FAMILIES = ["llama", "qwen2", "mistral", "llama:hf", "qwen2:hf", "gpt2"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_decode_tree_compact(family):
+    """One row: prefill, decode steps, a tree step, compaction, decode after it."""
+    model, full = make_models(family)
+    assert isinstance(model, CausalLM)
+    cache = model.new_cache(1, 64)
+    seq = _tokens(9, seed=1)
+    logits = prefill(model, cache, [seq])
+    torch.testing.assert_close(logits, full(torch.tensor([seq])), **TOL)
+    for step, tok in enumerate(_tokens(3, seed=2)):
+        n = len(seq)
+        out = model.forward(torch.tensor([[tok]]), torch.tensor([[n]]), cache)
+        seq.append(tok)
+        assert int(cache.lengths[0]) == len(seq), step
+        torch.testing.assert_close(out[0, 0], full(torch.tensor([seq]))[0, -1], **TOL)
+
+    # A tree step: the root is the last committed token (not yet in the cache) plus 6 drafts.
+    root, committed = seq[-1], seq[:-1]
+    cache.truncate(len(committed))
+    info = ops.tree_info(torch.tensor([TREE], dtype=torch.int32))
+    tree_tokens = [root] + _tokens(len(TREE) - 1, seed=3)
+    positions = len(committed) + info.depth.long()
+    out = model.forward(torch.tensor([tree_tokens]), positions, cache, tree_mask=info.mask)
+    for node in range(len(TREE)):
+        path_tokens = [tree_tokens[j] for j in _path(TREE, node)]
+        expected = full(torch.tensor([committed + path_tokens]))[0, -1]
+        torch.testing.assert_close(out[0, node], expected, **TOL)
+
+    # Accept root -> 1 -> 3 -> 6 but keep only three nodes (the verifier rejected node 6).
+    accepted = [0, 1, 3]
+    cache.compact(
+        torch.tensor([[0, 1, 3, 6]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    )
+    seq = committed + [tree_tokens[j] for j in accepted]
+    assert int(cache.lengths[0]) == len(seq)
+    nxt = _tokens(2, seed=4)
+    out = model.forward(torch.tensor([nxt]), torch.tensor([[len(seq), len(seq) + 1]]), cache)
+    torch.testing.assert_close(out[0], full(torch.tensor([seq + nxt]))[0, -2:], **TOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2:hf", "gpt2"])
+def test_ragged_batch(family):
+    """Rows of different lengths advance by different amounts, as in batched verification."""
+    model, full = make_models(family)
+    prompts = [_tokens(n, seed=10 + n) for n in (5, 11, 1, 8)]
+    cache = model.new_cache(len(prompts), 64)
+    logits = prefill(model, cache, prompts)
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(logits[b, : len(p)], full(torch.tensor([p]))[0], **TOL)
+    assert cache.lengths.tolist() == [len(p) for p in prompts]
+    seqs = [list(p) for p in prompts]
+    for step in range(3):
+        # Chain of 3 per row; row b keeps b % 4 of them (0..3), like ragged acceptance.
+        drafts = [_tokens(3, seed=100 * step + b) for b in range(len(seqs))]
+        ids = torch.tensor(drafts)
+        pos = cache.lengths.long().unsqueeze(1) + torch.arange(3)
+        out = model.forward(ids, pos, cache)
+        for b, s in enumerate(seqs):
+            torch.testing.assert_close(out[b], full(torch.tensor([s + drafts[b]]))[0, -3:], **TOL)
+        keep = [(b + step) % 4 for b in range(len(seqs))]
+        cache.truncate([len(s) + k for s, k in zip(seqs, keep)])
+        for b, k in enumerate(keep):
+            seqs[b] += drafts[b][:k]
+    last = model.forward(torch.tensor([[7]] * len(seqs)), cache.lengths.long().unsqueeze(1), cache)
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(last[b, 0], full(torch.tensor([s + [7]]))[0, -1], **TOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama:hf"])
+def test_batched_trees_with_padding_and_compaction(family):
+    """Different trees per row (padded with -1), per-row accepted paths, repeated compaction."""
+    model, full = make_models(family)
+    prompts = [_tokens(6, seed=20), _tokens(3, seed=21)]
+    cache = model.new_cache(2, 64)
+    prefill(model, cache, prompts)
+    trees = [[-1, 0, 0, 1, 2, 4], [-1, 0, 1, -1, -1, -1]]
+    committed = [p[:-1] for p in prompts]
+    roots = [p[-1] for p in prompts]
+    cache.truncate([len(c) for c in committed])
+    for step in range(3):
+        parents = torch.tensor(trees, dtype=torch.int32)
+        info = ops.tree_info(parents)
+        toks = [[roots[b]] + _tokens(5, seed=30 + 10 * step + b) for b in range(2)]
+        positions = cache.lengths.long().unsqueeze(1) + info.depth.long().clamp_min(0)
+        out = model.forward(torch.tensor(toks), positions, cache, tree_mask=info.mask)
+        for b in range(2):
+            for node in range(int(info.num_nodes[b])):
+                path = [toks[b][j] for j in _path(trees[b], node)]
+                expected = full(torch.tensor([committed[b] + path]))[0, -1]
+                torch.testing.assert_close(out[b, node], expected, **TOL)
+        # Row 0 accepts the deepest path root-2-4-5, row 1 only its root.
+        paths = torch.tensor([[0, 2, 4, 5], [0, -1, -1, -1]], dtype=torch.int32)
+        counts = torch.tensor([4, 1], dtype=torch.int32)
+        cache.compact(paths, counts)
+        for b in range(2):
+            kept = [toks[b][j] for j in paths[b, : counts[b]].tolist()]
+            committed[b] = committed[b] + kept[:-1]
+            roots[b] = kept[-1]
+        # The last accepted node becomes the next root: roll it back out of the cache.
+        cache.truncate([len(c) for c in committed])
+    if isinstance(model, HFCausalLM):
+        # Compaction leaves holes; the physical cache stays bounded by squeezing.
+        assert cache.physical_length <= 2 * int(cache.lengths.max()) + 32 + 6
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_rolled_back_entries_never_leak(family):
+    """K/V written by a rejected draft must not influence anything after the rollback."""
+    model, _ = make_models(family)
+    prompt = _tokens(7, seed=40)
+    clean = model.new_cache(1, 32)
+    prefill(model, clean, [prompt])
+    dirty = model.new_cache(1, 32)
+    prefill(model, dirty, [prompt])
+    junk = torch.tensor([_tokens(5, seed=41)])
+    model.forward(junk, 7 + torch.arange(5).unsqueeze(0), dirty)
+    dirty.truncate(7)
+    nxt = torch.tensor([_tokens(3, seed=42)])
+    pos = 7 + torch.arange(3).unsqueeze(0)
+    a = model.forward(nxt, pos, clean)
+    b = model.forward(nxt, pos, dirty)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # The detector works: without the rollback the outputs differ.
+    dirty2 = model.new_cache(1, 32)
+    prefill(model, dirty2, [prompt])
+    model.forward(junk, 7 + torch.arange(5).unsqueeze(0), dirty2)
+    c = model.forward(nxt, 12 + torch.arange(3).unsqueeze(0), dirty2)
+    assert not torch.allclose(a, c, atol=1e-3)
+
+
+def test_kernel_and_torch_attention_agree():
+    kernel, full = make_models("llama", attention="ops")
+    reference, _ = make_models("llama", attention="torch")
+    prompts = [_tokens(13, seed=50), _tokens(4, seed=51)]
+    ck, cr = kernel.new_cache(2, 48), reference.new_cache(2, 48)
+    torch.testing.assert_close(prefill(kernel, ck, prompts), prefill(reference, cr, prompts), **TOL)
+    info = ops.tree_info(torch.tensor([TREE, TREE], dtype=torch.int32))
+    ids = torch.tensor([_tokens(7, seed=52), _tokens(7, seed=53)])
+    pos = ck.lengths.long().unsqueeze(1) + info.depth.long()
+    torch.testing.assert_close(
+        kernel.forward(ids, pos, ck, info.mask), reference.forward(ids, pos, cr, info.mask), **TOL
+    )
+
+
+def test_unsupported_head_dim_falls_back_to_torch():
+    model, full = make_models("llama")  # head_dim 64: the kernel
+    small = hf_model("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    ours = Transformer(ModelConfig.from_hf_config(small.config.to_dict()))
+    ours.load_state_dict(small.state_dict())
+    cache = ours.new_cache(1, 16)
+    seq = _tokens(6, seed=60)
+    prefill(ours, cache, [seq])
+    out = ours.forward(torch.tensor([[5]]), torch.tensor([[6]]), cache)
+    torch.testing.assert_close(out[0, 0], hf_logits(small, torch.tensor([seq + [5]]))[0, -1], **TOL)
+    ours.attention = "ops"
+    with pytest.raises(ValueError, match="head_dim 32"):
+        ours.forward(torch.tensor([[5]]), torch.tensor([[7]]), cache)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama:hf"])
+def test_hidden_states(family):
+    model, _ = make_models(family)
+    theirs = hf_model("llama")
+    seq = _tokens(8, seed=70)
+    cache = model.new_cache(1, 16)
+    logits, hidden = model.forward(
+        torch.tensor([seq]), torch.arange(8).unsqueeze(0), cache, output_hidden=[1, 0, -2]
+    )
+    with torch.no_grad():
+        ref = theirs(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    assert len(hidden) == 3
+    for got, index in zip(hidden, [1, 0, 1]):
+        torch.testing.assert_close(got, ref[index], **TOL)
+    with pytest.raises(ValueError, match="output_hidden"):
+        model.forward(torch.tensor([[1]]), torch.tensor([[8]]), cache, output_hidden=[3])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_bad_requests_raise_before_work(family):
+    model, _ = make_models(family)
+    cache = model.new_cache(2, 8)
+    ok_ids, ok_pos = torch.tensor([[1, 2], [3, 4]]), torch.tensor([[0, 1], [0, 1]])
+    cases = [
+        ((torch.tensor([[1, V], [3, 4]]), ok_pos), ValueError, "vocabulary"),
+        ((torch.tensor([[1, -2], [3, 4]]), ok_pos), ValueError, "vocabulary"),
+        ((torch.tensor([[1, 2]]), torch.tensor([[0, 1]])), ValueError, "batch"),
+        ((ok_ids, torch.tensor([[0, 1, 2], [0, 1, 2]])), ValueError, "shape"),
+        ((ok_ids, torch.tensor([[0, -1], [0, 1]])), ValueError, "positions"),
+        ((ok_ids.float(), ok_pos), TypeError, "integer"),
+        (
+            (torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long)),
+            ValueError,
+            "max_length",
+        ),
+    ]
+    for (ids, pos), error, match in cases:
+        with pytest.raises(error, match=match):
+            model.forward(ids, pos, cache)
+        assert cache.lengths.tolist() == [0, 0]
+    bad_mask = torch.zeros(2, 2, 2, dtype=torch.uint32)
+    with pytest.raises(ValueError, match="tree_mask"):
+        model.forward(ok_ids, ok_pos, cache, tree_mask=bad_mask)
+    with pytest.raises(TypeError, match="tree_mask"):
+        model.forward(ok_ids, ok_pos, cache, tree_mask=torch.zeros(2, 2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="compact"):
+        cache.compact(torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    model.forward(ok_ids, ok_pos, cache)
+    with pytest.raises(ValueError, match="path"):
+        cache.compact(
+            torch.tensor([[0, 2], [0, 1]], dtype=torch.int32),
+            torch.tensor([2, 2], dtype=torch.int32),
+        )
+    with pytest.raises(ValueError, match="num_accepted"):
+        cache.compact(
+            torch.tensor([[0, 1], [0, 1]], dtype=torch.int32),
+            torch.tensor([3, 1], dtype=torch.int32),
+        )
+    with pytest.raises(TypeError, match="path"):
+        cache.compact(torch.tensor([[0, 1], [0, 1]]), torch.tensor([1, 1], dtype=torch.int32))
+    assert cache.lengths.tolist() == [2, 2]
+    with pytest.raises(ValueError, match="truncate"):
+        cache.truncate([3, 1])
+    with pytest.raises(ValueError, match="max_length"):
+        model.new_cache(1, model.max_length + 1)
+    with pytest.raises(ValueError, match="batch_size"):
+        model.new_cache(0, 4)
+
+
+def test_sliding_window_limits_the_length():
+    model, _ = make_models("llama")
+    theirs = hf_model("mistral", sliding_window=16)
+    ours = Transformer(ModelConfig.from_hf_config(theirs.config.to_dict()))
+    assert ours.max_length == 16
+    with pytest.raises(ValueError, match="max_length"):
+        ours.new_cache(1, 17)
+    with pytest.raises(ValueError, match="max length"):
+        ours.forward_train(torch.zeros(1, 17, dtype=torch.long))
+    assert HFCausalLM(theirs).max_length == 16

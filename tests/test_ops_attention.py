@@ -1,0 +1,417 @@
+"""tree_attention and compact_kv against float64 / gather references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_attention import compact_kv_ref, dense_tree_mask, tree_attention_ref
+
+import specdecode
+from specdecode import _C, ops
+
+# Max abs error allowed against the float64 reference, per dtype. Inputs are N(0, 1), so outputs
+# are convex combinations of values of magnitude < ~5: fp32 accumulates with ~1e-7 relative
+# error; fp16 / bf16 add the rounding of the output (2^-11, 2^-8 relative).
+TOL = {torch.float32: 3e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+LSE_TOL = 5e-5  # lse is float32 for every dtype (the inputs are the same rounded values)
+
+ISAS = [isa for isa in ("avx512", "avx2", "generic") if _C.set_attention_isa(isa)]
+_C.set_attention_isa("")
+
+HAS_CUDA = torch.cuda.is_available() and "cuda" in specdecode.info().get("backends", [])
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    assert _C.set_attention_isa(request.param)
+    yield request.param
+    _C.set_attention_isa("")
+
+
+def random_parents(batch: int, t: int, gen: torch.Generator, pad: int = 0) -> torch.Tensor:
+    rows = []
+    for _ in range(batch):
+        row = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, t - pad)]
+        rows.append(row + [-1] * pad)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def make_case(
+    batch,
+    t,
+    hq,
+    hkv,
+    d,
+    prefix,
+    dtype=torch.float32,
+    extra=3,
+    seed=0,
+    strided=False,
+):
+    gen = torch.Generator().manual_seed(seed)
+    prefixes = prefix if isinstance(prefix, (list, tuple)) else [prefix] * batch
+    s = max(prefixes) + t + extra
+    q = torch.randn(batch, t, hq, d, generator=gen).to(dtype)
+    if strided:
+        # Views into a larger buffer: extra heads and a longer head slot, as in a paged layout.
+        buf_k = torch.randn(batch, s + 5, hkv + 2, d + 16, generator=gen).to(dtype)
+        buf_v = torch.randn(batch, s + 5, hkv + 2, d + 16, generator=gen).to(dtype)
+        k = buf_k[:, 2 : s + 2, 1 : hkv + 1, 8 : d + 8]
+        v = buf_v[:, 2 : s + 2, 1 : hkv + 1, 8 : d + 8]
+        assert not k.is_contiguous()
+    else:
+        k = torch.randn(batch, s, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(batch, s, hkv, d, generator=gen).to(dtype)
+    lens = torch.tensor(prefixes, dtype=torch.int32)
+    return q, k, v, lens, gen
+
+
+def check(q, k, v, lens, mask, scale=None):
+    out, lse = ops.tree_attention(q, k, v, lens, mask, scale=scale, return_lse=True)
+    ref_out, ref_lse = tree_attention_ref(q, k, v, lens, mask, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    err = (out.double() - ref_out).abs().max().item()
+    assert err <= TOL[q.dtype], f"max abs error {err} > {TOL[q.dtype]}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        lerr = (lse.double() - ref_lse)[finite].abs().max().item()
+        assert lerr <= LSE_TOL * max(1.0, ref_lse[finite].abs().max().item())
+    return out, lse
+
+
+# ---- correctness -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_tree_matches_reference_dtypes_and_head_dims(isa, dtype, d):
+    q, k, v, lens, gen = make_case(2, 7, 4, 2, d, [37, 5], dtype, seed=d)
+    mask = ops.tree_info(random_parents(2, 7, gen)).mask
+    check(q, k, v, lens, mask)
+
+
+@pytest.mark.parametrize("hq,hkv", [(1, 1), (4, 4), (8, 2), (6, 1), (32, 8)])
+def test_gqa_ratios(isa, hq, hkv):
+    q, k, v, lens, gen = make_case(2, 5, hq, hkv, 64, [19, 70], seed=hq)
+    check(q, k, v, lens, ops.tree_info(random_parents(2, 5, gen)).mask)
+    check(q, k, v, lens, None)
+
+
+@pytest.mark.parametrize(
+    "t,prefix",
+    [(1, 0), (1, 1), (1, 333), (3, 0), (33, 65), (65, 63), (17, 600), (5, 3000), (64, 2100)],
+)
+def test_odd_sizes_chain_and_tree(isa, t, prefix):
+    # 3000 / 2100 exercise several prefix splits (merged with the lse rule); 600 the short splits
+    # of the grouped (few-rows) layout.
+    q, k, v, lens, gen = make_case(1, t, 8, 2, 64, prefix, seed=t + prefix)
+    check(q, k, v, lens, None)
+    check(q, k, v, lens, ops.tree_info(random_parents(1, t, gen)).mask)
+
+
+def test_t256_bf16_tree(isa):
+    q, k, v, lens, gen = make_case(1, 256, 2, 1, 64, 40, torch.bfloat16, seed=256)
+    check(q, k, v, lens, ops.tree_info(random_parents(1, 256, gen)).mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_caches_and_ragged_prefixes(isa, dtype):
+    q, k, v, lens, gen = make_case(3, 9, 8, 4, 128, [0, 130, 700], dtype, strided=True, seed=9)
+    check(q, k, v, lens, ops.tree_info(random_parents(3, 9, gen)).mask)
+    # A strided q too (a view of a fused qkv projection).
+    qkv = torch.randn(3, 9, 8 * 3, 128).to(dtype)
+    check(qkv[:, :, 8:16], k, v, lens, None)
+
+
+def test_scale_and_padding_rows(isa):
+    q, k, v, lens, gen = make_case(2, 6, 4, 2, 64, [0, 12], seed=3)
+    # Padding nodes (-1 at the end of the row) have all-zero mask rows: with an empty prefix they
+    # see nothing, which gives out = 0 and lse = -inf; with a prefix they see only the prefix.
+    mask = ops.tree_info(random_parents(2, 6, gen, pad=2)).mask
+    out, lse = check(q, k, v, lens, mask, scale=0.3)
+    assert torch.all(out[0, 4:] == 0) and torch.all(lse[0, 4:] == -math.inf)
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_arbitrary_mask_bits_beyond_t_are_ignored(isa):
+    q, k, v, lens, gen = make_case(1, 5, 2, 1, 64, 10, seed=5)
+    mask = torch.randint(0, 2**32, (1, 5, 1), generator=gen, dtype=torch.int64)
+    mask = mask.to(torch.uint32)
+    check(q, k, v, lens, mask)
+
+
+def test_lse_merge_matches_one_pass_over_the_dense_mask():
+    # The prefix and tree parts are merged with the log-sum-exp rule; the result must equal one
+    # softmax over the union (checked through the dense-mask reference on a hand-made mask).
+    q, k, v, lens, _ = make_case(1, 3, 1, 1, 64, 4, seed=11)
+    mask = torch.tensor([[[0b001], [0b011], [0b101]]], dtype=torch.uint32)
+    allowed = dense_tree_mask(lens, mask, 3, k.shape[1])
+    assert allowed[0, 2].tolist()[:7] == [True] * 4 + [True, False, True]
+    check(q, k, v, lens, mask)
+
+
+def test_results_do_not_depend_on_thread_count():
+    q, k, v, lens, gen = make_case(2, 16, 8, 2, 64, [1500, 2600], seed=12)
+    mask = ops.tree_info(random_parents(2, 16, gen)).mask
+    before = specdecode.get_num_threads()
+    try:
+        specdecode.set_num_threads(1)
+        one = ops.tree_attention(q, k, v, lens, mask)
+        specdecode.set_num_threads(3)
+        three = ops.tree_attention(q, k, v, lens, mask)
+    finally:
+        specdecode.set_num_threads(before)
+    assert torch.equal(one, three)
+
+
+def test_isa_paths_agree():
+    q, k, v, lens, gen = make_case(2, 12, 8, 2, 96, [300, 90], seed=13)
+    mask = ops.tree_info(random_parents(2, 12, gen)).mask
+    outs = []
+    for name in ISAS:
+        _C.set_attention_isa(name)
+        outs.append(ops.tree_attention(q, k, v, lens, mask))
+    _C.set_attention_isa("")
+    for o in outs[1:]:
+        assert (o - outs[0]).abs().max().item() < 1e-5
+    assert _C.attention_isa() in ISAS
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    t=st.integers(1, 40),
+    group=st.sampled_from([1, 2, 3]),
+    hkv=st.integers(1, 3),
+    prefix=st.integers(0, 200),
+    chain=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes_hypothesis(batch, t, group, hkv, prefix, chain, seed):
+    q, k, v, lens, gen = make_case(batch, t, group * hkv, hkv, 64, prefix, seed=seed)
+    mask = None if chain else ops.tree_info(random_parents(batch, t, gen)).mask
+    check(q, k, v, lens, mask)
+
+
+# ---- validation --------------------------------------------------------------------------
+
+
+def _valid():
+    q, k, v, lens, gen = make_case(2, 4, 4, 2, 64, 8)
+    mask = ops.tree_info(random_parents(2, 4, gen)).mask
+    return q, k, v, lens, mask
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda a: a.update(q=a["q"][:, :, :3]), ValueError, "multiple"),
+        (lambda a: a.update(q=a["q"][:, :, :, :32].contiguous()), ValueError, "head dim"),
+        (lambda a: a.update(q=a["q"].double()), TypeError, "q"),
+        (lambda a: a.update(k=a["k"].half()), TypeError, "k_cache"),
+        (lambda a: a.update(v=a["v"][:, :-1]), ValueError, "v_cache"),
+        (lambda a: a.update(k=a["k"][:1], v=a["v"][:1]), ValueError, "k_cache"),
+        (lambda a: a.update(lens=a["lens"].long()), TypeError, "prefix_lens"),
+        (lambda a: a.update(lens=a["lens"][:1]), ValueError, "prefix_lens"),
+        (lambda a: a.update(lens=torch.tensor([8, 12], dtype=torch.int32)), ValueError, "prefix"),
+        (lambda a: a.update(lens=torch.tensor([-1, 0], dtype=torch.int32)), ValueError, "prefix"),
+        (lambda a: a.update(mask=a["mask"].to(torch.int32)), TypeError, "tree_mask"),
+        (
+            lambda a: a.update(mask=torch.zeros(2, 4, 2, dtype=torch.uint32)),
+            ValueError,
+            "tree_mask",
+        ),
+        (lambda a: a.update(mask=a["mask"][:, :3]), ValueError, "tree_mask"),
+        (lambda a: a.update(k=a["k"].transpose(1, 3)), ValueError, "k_cache"),
+        (lambda a: a.update(q=a["q"][:, :0]), ValueError, "T"),
+        (lambda a: a.update(q=[[1.0]]), TypeError, "q"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(mutate, exc, match):
+    q, k, v, lens, mask = _valid()
+    args = dict(q=q, k=k, v=v, lens=lens, mask=mask)
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        ops.tree_attention(args["q"], args["k"], args["v"], args["lens"], args["mask"])
+
+
+def test_cache_too_short_for_the_tree():
+    q, k, v, lens, _ = make_case(1, 8, 2, 1, 64, 0, extra=0)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ops.tree_attention(q, k[:, :5], v[:, :5], lens)
+
+
+def test_bad_scale():
+    q, k, v, lens, mask = _valid()
+    with pytest.raises(ValueError, match="scale"):
+        ops.tree_attention(q, k, v, lens, mask, scale=float("nan"))
+    with pytest.raises(TypeError, match="scale"):
+        ops.tree_attention(q, k, v, lens, mask, scale="1")
+
+
+def test_cuda_data_in_cpu_build_or_mixed_devices():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: mixed-device inputs cannot be built")
+    q, k, v, lens, mask = _valid()
+    with pytest.raises(ValueError, match="device|CUDA"):
+        ops.tree_attention(q.cuda(), k, v, lens, mask)
+
+
+# ---- compact_kv --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_compact_kv_matches_gather(dtype, strided):
+    _, k, v, _, _ = make_case(3, 8, 4, 2, 64, [10, 0, 40], dtype, strided=strided, seed=21)
+    lens = torch.tensor([10, 0, 40], dtype=torch.int32)
+    # Overlapping moves: row 0 keeps nodes 0, 2, 3, 5 (sources 12, 13, 15 overlap destinations
+    # 11, 12, 13); row 1 accepts nothing; row 2 keeps a prefix of its path unchanged.
+    path = torch.tensor([[0, 2, 3, 5, 7], [0, 1, -1, -1, -1], [0, 1, 2, 6, -1]], dtype=torch.int32)
+    accepted = torch.tensor([4, 0, 4], dtype=torch.int32)
+    ref_k, ref_v, ref_lens = compact_kv_ref(k, v, lens, path, accepted)
+    new_lens = ops.compact_kv(k, v, lens, path, accepted)
+    assert torch.equal(new_lens, ref_lens)
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+
+
+def test_compact_kv_then_attention_equals_attention_over_the_path():
+    # After compaction, decoding over the new lengths sees the prefix plus the accepted path.
+    q, k, v, lens, gen = make_case(1, 6, 2, 1, 64, 20, seed=22)
+    path = torch.tensor([[0, 1, 4]], dtype=torch.int32)
+    accepted = torch.tensor([3], dtype=torch.int32)
+    expect_k = torch.cat([k[:, :20], k[:, 20 + path[0].long()]], dim=1)
+    expect_v = torch.cat([v[:, :20], v[:, 20 + path[0].long()]], dim=1)
+    new_lens = ops.compact_kv(k, v, lens, path, accepted)
+    assert torch.equal(k[:, :23], expect_k) and torch.equal(v[:, :23], expect_v)
+    q1 = q[:, :1]
+    out = ops.tree_attention(q1, k, v, new_lens - 1, None)
+    ref, _ = tree_attention_ref(q1, expect_k, expect_v, new_lens - 1, None)
+    assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
+
+
+@pytest.mark.parametrize(
+    "path,accepted,match",
+    [
+        ([[0, 3, 2, -1]], [3], "strictly increasing"),
+        ([[0, 1, 1, -1]], [3], "strictly increasing"),
+        ([[0, -1, 2, 3]], [2], "negative"),
+        ([[0, 1, 2, 3]], [5], "outside"),
+        ([[0, 1, 2, 3]], [-1], "outside"),
+        ([[0, 1, 2, 30]], [4], "outside the cache"),
+    ],
+)
+def test_compact_kv_rejects_bad_paths_and_leaves_cache(path, accepted, match):
+    _, k, v, _, _ = make_case(1, 8, 2, 1, 64, 10, seed=23)
+    k0, v0 = k.clone(), v.clone()
+    with pytest.raises(ValueError, match=match):
+        ops.compact_kv(
+            k,
+            v,
+            torch.tensor([10], dtype=torch.int32),
+            torch.tensor(path, dtype=torch.int32),
+            torch.tensor(accepted, dtype=torch.int32),
+        )
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_compact_kv_bad_arguments():
+    _, k, v, _, _ = make_case(2, 4, 2, 1, 64, 4)
+    lens = torch.tensor([4, 4], dtype=torch.int32)
+    path = torch.tensor([[0, 1], [0, 2]], dtype=torch.int32)
+    acc = torch.tensor([2, 2], dtype=torch.int32)
+    with pytest.raises(TypeError, match="path"):
+        ops.compact_kv(k, v, lens, path.long(), acc)
+    with pytest.raises(ValueError, match="path"):
+        ops.compact_kv(k, v, lens, path[:1], acc)
+    with pytest.raises(ValueError, match="num_accepted"):
+        ops.compact_kv(k, v, lens, path, acc[:1])
+    with pytest.raises(TypeError, match="v_cache"):
+        ops.compact_kv(k, v.half(), lens, path, acc)
+    with pytest.raises(ValueError, match="prefix_lens"):
+        ops.compact_kv(k, v, lens[:1], path, acc)
+    with pytest.raises(ValueError, match="outside"):
+        ops.compact_kv(k, v, torch.tensor([-1, 0], dtype=torch.int32), path, acc)
+
+
+# ---- torch.compile -----------------------------------------------------------------------
+
+
+def test_torch_compile_aot_eager():
+    q, k, v, lens, gen = make_case(2, 5, 4, 2, 64, [9, 14], seed=31)
+    mask = ops.tree_info(random_parents(2, 5, gen)).mask
+
+    def step(q, k, v, lens, mask, path, accepted):
+        out, lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+        new_lens = ops.compact_kv(k, v, lens, path, accepted)
+        return out * 2, lse, new_lens
+
+    path = torch.tensor([[0, 2, -1], [0, 1, 3]], dtype=torch.int32)
+    accepted = torch.tensor([2, 3], dtype=torch.int32)
+    k_eager, v_eager = k.clone(), v.clone()
+    expect = step(q, k_eager, v_eager, lens, mask, path, accepted)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = compiled(q, k, v, lens, mask, path, accepted)
+    for a, b in zip(got, expect):
+        assert torch.equal(a, b)
+    assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
+
+
+def test_library_ops_registered():
+    out, lse = torch.ops.specdecode.tree_attention(*_valid(), 0.125)
+    assert out.shape == (2, 4, 4, 64) and lse.shape == (2, 4, 4)
+
+
+# ---- CUDA --------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of specdecode")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+@pytest.mark.parametrize("t,prefix", [(1, 0), (1, 4000), (7, 300), (64, 2000), (256, 33)])
+def test_cuda_matches_cpu_and_reference(dtype, d, t, prefix):
+    q, k, v, lens, gen = make_case(2, t, 8, 2, d, [prefix, prefix // 2], dtype, strided=True)
+    mask = ops.tree_info(random_parents(2, t, gen)).mask
+    for m in (mask, None):
+        cpu_out, cpu_lse = ops.tree_attention(q, k, v, lens, m, return_lse=True)
+        gpu_out, gpu_lse = ops.tree_attention(
+            q.cuda(),
+            k.cuda(),
+            v.cuda(),
+            lens.cuda(),
+            None if m is None else m.cuda(),
+            return_lse=True,
+        )
+        ref_out, _ = tree_attention_ref(q, k, v, lens, m)
+        assert (gpu_out.cpu().double() - ref_out).abs().max().item() <= TOL[dtype]
+        assert (gpu_out.cpu().float() - cpu_out.float()).abs().max().item() <= TOL[dtype]
+        fin = torch.isfinite(cpu_lse)
+        assert torch.equal(torch.isfinite(gpu_lse.cpu()), fin)
+        assert (gpu_lse.cpu() - cpu_lse)[fin].abs().max().item() < 1e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of specdecode")
+def test_cuda_compact_kv_and_errors():
+    _, k, v, _, _ = make_case(2, 8, 4, 2, 64, [10, 3], torch.bfloat16, strided=True, seed=41)
+    lens = torch.tensor([10, 3], dtype=torch.int32)
+    path = torch.tensor([[0, 2, 3, 5], [0, 1, 4, -1]], dtype=torch.int32)
+    acc = torch.tensor([4, 3], dtype=torch.int32)
+    ref_k, ref_v, ref_lens = compact_kv_ref(k, v, lens, path, acc)
+    kc, vc = k.cuda(), v.cuda()
+    new_lens = ops.compact_kv(kc, vc, lens.cuda(), path.cuda(), acc.cuda())
+    assert torch.equal(new_lens.cpu(), ref_lens)
+    assert torch.equal(kc.cpu(), ref_k) and torch.equal(vc.cpu(), ref_v)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        bad = torch.tensor([[0, 2, 2, 5], [0, 1, 4, -1]], dtype=torch.int32).cuda()
+        ops.compact_kv(kc, vc, lens.cuda(), bad, acc.cuda())
+    q = torch.randn(2, 8, 8, 64, dtype=torch.bfloat16).cuda()
+    with pytest.raises(ValueError, match="prefix"):
+        ops.tree_attention(q, kc, vc, torch.tensor([100, 0], dtype=torch.int32).cuda())
