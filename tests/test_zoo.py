@@ -220,11 +220,8 @@ def test_sentencepiece_training_is_deterministic_and_lossless(tmp_path):
 # ----------------------------------------------------------------------------- training command
 
 
-def _train(tmp_path: Path, run: str, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "specdecode.zoo.train",
+def _train_args(tmp_path: Path, run: str, *extra: str) -> list:
+    return [
         "--model",
         "tiny",
         "--run-dir",
@@ -251,15 +248,23 @@ def _train(tmp_path: Path, run: str, *extra: str) -> subprocess.CompletedProcess
         "3e-3",
         *extra,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+
+
+@pytest.fixture
+def keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.mark.slow
-def test_train_command_logs_checkpoints_and_resumes_exactly(tmp_path):
+def test_train_command_logs_checkpoints_and_resumes_exactly(tmp_path, keep_threads):
     from safetensors.torch import load_file
 
     _fake_stdlib(tmp_path / "lib")
-    full = _train(tmp_path, "full")
+    # The command itself, as a user runs it.
+    cmd = [sys.executable, "-m", "specdecode.zoo.train", *_train_args(tmp_path, "full")]
+    full = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert full.returncode == 0, full.stderr
     log = [json.loads(line) for line in (tmp_path / "full" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2, 4, 6, 8]
@@ -269,35 +274,45 @@ def test_train_command_logs_checkpoints_and_resumes_exactly(tmp_path):
     for name in ("config.json", "model.safetensors", "tokenizer.model", "corpus_manifest.json"):
         assert (final / name).is_file(), name
 
-    # Interrupted at step 3 and resumed: the same weights as the uninterrupted run.
-    part = _train(tmp_path, "part", "--stop-after", "3")
-    assert part.returncode == 0, part.stderr
+    # Interrupted at step 3 and resumed: the same weights and log as the uninterrupted run.
+    assert ztrain.main(_train_args(tmp_path, "part", "--stop-after", "3")) == 0
     assert not (tmp_path / "part" / "final").exists()
-    again = _train(tmp_path, "part")
-    assert again.returncode != 0 and "--resume" in again.stderr + again.stdout
-    res = _train(tmp_path, "part", "--resume")
-    assert res.returncode == 0, res.stderr
+    with pytest.raises(SystemExit, match="--resume"):
+        ztrain.main(_train_args(tmp_path, "part"))
+    assert ztrain.main(_train_args(tmp_path, "part", "--resume")) == 0
     a = load_file(str(final / "model.safetensors"))
     b = load_file(str(tmp_path / "part" / "final" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+    relog = [
+        json.loads(line) for line in (tmp_path / "part" / "log.jsonl").read_text().splitlines()
+    ]
+    for r, q in zip(log, relog):
+        assert r["step"] == q["step"] and r["train_loss"] == q["train_loss"]
 
     # A resume with a changed schedule is refused, naming the argument.
-    bad = _train(tmp_path, "part", "--resume", "--lr", "1e-3")
-    assert bad.returncode != 0 and "--lr" in bad.stderr + bad.stdout
+    with pytest.raises(SystemExit, match="--lr"):
+        ztrain.main(_train_args(tmp_path, "part", "--resume", "--lr", "1e-3"))
 
-    # Distillation from the trained model runs and logs.
-    dist = _train(
+    # Distillation from the trained model starts at the teacher's own weights: KL = 0.
+    dist = _train_args(
         tmp_path, "dist", "--distill-from", str(final), "--init-from", str(final), "--steps", "2"
     )
-    assert dist.returncode == 0, dist.stderr
+    assert ztrain.main([*dist, "--log-every", "1"]) == 0
+    first = json.loads((tmp_path / "dist" / "log.jsonl").read_text().splitlines()[0])
+    assert first["train_loss"] == pytest.approx(0.0, abs=1e-5)
 
 
-def test_train_arguments_are_checked(tmp_path):
+def test_train_arguments_are_checked(capsys):
+    base = ["--model", "tiny", "--run-dir", "x"]
     for extra in (["--steps", "0"], ["--distill-alpha", "2"], ["--seq-len", "4096"]):
-        r = _train(tmp_path, "x", *extra)
-        assert r.returncode == 2 and extra[0] in r.stderr
+        with pytest.raises(SystemExit):
+            ztrain.parse_args(base + extra)
+        assert extra[0] in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ztrain.parse_args(["--model", "huge", "--run-dir", "x"])
+    assert "--model" in capsys.readouterr().err
 
 
 def test_lr_schedule_and_distill_loss():
