@@ -376,3 +376,36 @@ def test_chain_accept_lengths_match_brute_force():
         steps = zeval.simulate_steps(match, k)
         assert sum(a + 1 for a in steps) <= n + 1
         assert all(0 <= a <= k for a in steps)
+
+
+def test_cached_greedy_generation_matches_recomputation():
+    torch.manual_seed(0)
+    model = ztrain.build_model(ztrain.MODEL_PRESETS["tiny"]).eval()
+    ids = torch.randint(4, 512, (3, 7))
+    cached = zeval.greedy_generate(model, ids, 12)
+    full = zeval.greedy_generate(model, ids, 12, use_cache=False)
+    assert cached.shape == (3, 19) and torch.equal(cached, full)
+    assert torch.equal(cached[:, :7], ids)
+
+
+def test_chain_stats_of_a_model_against_itself_accept_everything():
+    torch.manual_seed(0)
+    model = ztrain.build_model(ztrain.MODEL_PRESETS["tiny"]).eval()
+    prompts = torch.randint(4, 512, (2, 5))
+    stats = zeval.chain_stats(model, model, prompts, 20, ks=(4,))
+    assert stats["4"]["mean_accepted"] == 4.0 and stats["greedy_agreement_on_target_text"] == 1.0
+
+    class Shifted(torch.nn.Module):
+        """Agrees with ``model`` except where its greedy token is even."""
+
+        def forward_train(self, ids):
+            logits = model.forward_train(ids)
+            top = logits.argmax(-1, keepdim=True)
+            bump = torch.zeros_like(logits).scatter_(-1, (top + 1) % 512, 1e3)
+            return logits + bump * (top % 2 == 0)
+
+    seqs = zeval.greedy_generate(model, prompts, 20)
+    want = (seqs[:, 5:] % 2 == 1).float().mean().item()
+    stats = zeval.chain_stats(model, Shifted(), prompts, 20, ks=(4,))
+    assert stats["greedy_agreement_on_target_text"] == pytest.approx(want)
+    assert stats["4"]["mean_accepted"] < 4.0

@@ -37,8 +37,10 @@ SAMPLE_PROMPTS = (
 
 
 @torch.no_grad()
-def greedy_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy continuation by full recomputation with ``forward_train``.
+def greedy_generate(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, use_cache: bool = True
+) -> torch.Tensor:
+    """Greedy continuation of ``ids``.
 
     Parameters
     ----------
@@ -47,17 +49,33 @@ def greedy_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) 
         int64 [B, T] prompts (same length).
     new_tokens : int
         Tokens to append.
+    use_cache : bool
+        Decode with the model's KV cache (``model.forward`` one token at a time); False recomputes
+        the whole prefix with ``forward_train`` for every token (the reference the cached path is
+        tested against).
 
     Returns
     -------
     torch.Tensor
         int64 [B, T + new_tokens].
     """
-    out = ids
-    for _ in range(new_tokens):
-        nxt = model.forward_train(out)[:, -1].argmax(-1, keepdim=True)
-        out = torch.cat([out, nxt], dim=1)
-    return out
+    b, t = ids.shape
+    if not use_cache:
+        out = ids
+        for _ in range(new_tokens):
+            nxt = model.forward_train(out)[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, nxt], dim=1)
+        return out
+    cache = model.new_cache(b, t + new_tokens)
+    positions = torch.arange(t).expand(b, t)
+    logits = model(ids, positions, cache)
+    out = [ids]
+    for i in range(new_tokens):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(nxt)
+        if i + 1 < new_tokens:
+            logits = model(nxt, torch.full((b, 1), t + i), cache)
+    return torch.cat(out, dim=1)
 
 
 def chain_accept_lengths(match: np.ndarray, k: int) -> np.ndarray:
