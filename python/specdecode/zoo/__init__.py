@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Tuple
 
+import torch
+
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -90,6 +92,7 @@ def load(name: str = "pycode") -> Tuple[Transformer, Transformer, Tokenizer]:
     from ..models import Transformer  # noqa: F811 (the runtime import of the annotation's class)
 
     d = path(name)
-    target = Transformer.from_pretrained(str(d / "target")).eval()
-    draft = Transformer.from_pretrained(str(d / "draft")).eval()
+    # Stored in float16 to fit the wheel's size budget; computed in float32.
+    target = Transformer.from_pretrained(str(d / "target"), dtype=torch.float32).eval()
+    draft = Transformer.from_pretrained(str(d / "draft"), dtype=torch.float32).eval()
     return target, draft, Tokenizer(d / "tokenizer.model")
