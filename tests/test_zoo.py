@@ -86,7 +86,9 @@ def test_pair_predicts_python(pair):
 def test_target_loads_in_transformers_with_same_logits(pair):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     target, _, tok = pair
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(zoo.path(PAIR) / "target")).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(zoo.path(PAIR) / "target"), dtype=torch.float32
+    ).eval()
     ids = torch.tensor([tok.encode("def add(a, b):\n    return a + b\n", bos=True)])
     with torch.no_grad():
         ours = target.forward_train(ids)
@@ -294,6 +296,18 @@ def test_train_command_logs_checkpoints_and_resumes_exactly(tmp_path, keep_threa
     # A resume with a changed schedule is refused, naming the argument.
     with pytest.raises(SystemExit, match="--lr"):
         ztrain.main(_train_args(tmp_path, "part", "--resume", "--lr", "1e-3"))
+
+    # Export: float16 copies of both models with the tokenizer, manifest and logs; they load.
+    from specdecode.zoo import export as zexport
+
+    out = tmp_path / "pair"
+    assert zexport.main(["--target", str(final), "--draft", str(final), "--out", str(out)]) == 0
+    for name in ("tokenizer.model", "corpus_manifest.json", "target_log.jsonl", "draft_log.jsonl"):
+        assert (out / name).is_file(), name
+    half = load_file(str(out / "target" / "model.safetensors"))
+    assert all(v.dtype == torch.float16 for v in half.values())
+    for k in half:
+        torch.testing.assert_close(half[k], a[k].half(), atol=0, rtol=0)
 
     # Distillation from the trained model starts at the teacher's own weights: KL = 0.
     dist = _train_args(
