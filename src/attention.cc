@@ -18,6 +18,12 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
+// GCC 12's AVX-512 headers build _mm512_undefined_* from a self-initialised variable, which
+// -Wuninitialized reports at every inlined use; the values are never read.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #define SD_X86 1
 #endif

@@ -228,13 +228,17 @@ def test_hidden_states(family):
     seq = _tokens(8, seed=70)
     cache = model.new_cache(1, 16)
     logits, hidden = model.forward(
-        torch.tensor([seq]), torch.arange(8).unsqueeze(0), cache, output_hidden=[1, 0, -2]
+        torch.tensor([seq]), torch.arange(8).unsqueeze(0), cache, output_hidden=[1, 0, -2, 2, -1]
     )
     with torch.no_grad():
         ref = theirs(torch.tensor([seq]), output_hidden_states=True).hidden_states
-    assert len(hidden) == 3
-    for got, index in zip(hidden, [1, 0, 1]):
+    assert len(hidden) == 5
+    for got, index in zip(hidden, [1, 0, 1, 2, 2]):
         torch.testing.assert_close(got, ref[index], **TOL)
+    # The last one is what lm_head reads.
+    head = model.model.lm_head if isinstance(model, HFCausalLM) else model.lm_head
+    with torch.no_grad():
+        torch.testing.assert_close(head(hidden[-1]), logits, **TOL)
     with pytest.raises(ValueError, match="output_hidden"):
         model.forward(torch.tensor([[1]]), torch.tensor([[8]]), cache, output_hidden=[3])
 
@@ -300,3 +304,23 @@ def test_sliding_window_limits_the_length():
     with pytest.raises(ValueError, match="max length"):
         ours.forward_train(torch.zeros(1, 17, dtype=torch.long))
     assert HFCausalLM(theirs).max_length == 16
+
+
+def test_chain_longer_than_the_kernel_limit_is_chunked():
+    """A prefill of more than ops.MAX_TREE_NODES tokens runs in chunks with the same result."""
+    theirs = hf_model("llama", max_position_embeddings=1100)
+    ours = Transformer(ModelConfig.from_hf_config(theirs.config.to_dict()))
+    ours.load_state_dict(theirs.state_dict())
+    n = ops.MAX_TREE_NODES + 40
+    seq = torch.tensor([_tokens(n, seed=80)])
+    cache = ours.new_cache(1, n + 8)
+    logits, hidden = ours.forward(seq, torch.arange(n).unsqueeze(0), cache, output_hidden=[1])
+    assert logits.shape == (1, n, V) and hidden[0].shape == (1, n, BASE["hidden_size"])
+    assert int(cache.lengths[0]) == n
+    tail = slice(n - 50, n)  # across the chunk boundary
+    torch.testing.assert_close(logits[:, tail], hf_logits(theirs, seq)[:, tail], **TOL)
+    # compact() after a chunked pass refers to the whole chain.
+    cache.compact(
+        torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    )
+    assert int(cache.lengths[0]) == 3

@@ -275,8 +275,8 @@ class HFCausalLM:
     ) -> Union[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         """Scores ``T`` new tokens per row (see :meth:`specdecode.models.CausalLM.forward`).
 
-        Hidden state ``i`` is transformers' ``hidden_states[i]`` (0 = embeddings; for most models
-        the last entry has the final norm applied).
+        Hidden state ``i`` is transformers' ``hidden_states[i]`` (0 = embeddings, ``L`` = the
+        final norm's output for the decoders in transformers 5).
 
         Raises
         ------

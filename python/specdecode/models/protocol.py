@@ -105,8 +105,9 @@ class CausalLM(Protocol):
             uint32 ``[B, T, ceil(T / 32)]`` ancestor bitmask (:func:`specdecode.ops.tree_info`);
             None means a causal chain.
         output_hidden : sequence of int, optional
-            Hidden states to return: 0 is the embedding output, ``i`` the output of layer ``i``
-            (``1..L``, before the final norm); negative indices count from ``L + 1``.
+            Hidden states to return, indexed as transformers' ``hidden_states``: 0 is the
+            embedding output, ``i`` the output of layer ``i`` for ``i < L``, and ``L`` the output
+            of the final norm (the input of ``lm_head``); negative indices count from ``L + 1``.
 
         Returns
         -------

@@ -239,11 +239,16 @@ class Transformer(nn.Module):
         hidden: dict[int, torch.Tensor] = {}
         if 0 in wanted:
             hidden[0] = x
+        last = len(self.model.layers)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, attend, i)
-            if i + 1 in wanted:
+            if i + 1 in wanted and i + 1 < last:
                 hidden[i + 1] = x
-        logits = self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        # As in transformers, the last hidden state is the final norm's output (what lm_head reads).
+        if last in wanted:
+            hidden[last] = x
+        logits = self.lm_head(x)
         return logits, [hidden[i] for i in hidden_indices]
 
     # ---- training path -----------------------------------------------------------------------
@@ -370,8 +375,9 @@ class Transformer(nn.Module):
             attends to the whole cached prefix and to the new tokens whose bit is set in row
             ``i``. None: a causal chain (token ``i`` sees new tokens ``0..i``).
         output_hidden : sequence of int, optional
-            Hidden states to return (0 = embeddings, ``i`` = output of layer ``i``; negative
-            indices count from ``L + 1``).
+            Hidden states to return, indexed as transformers' ``hidden_states``: 0 = embeddings,
+            ``i`` = output of layer ``i``, ``L`` = the final norm's output (what ``lm_head``
+            reads); negative indices count from ``L + 1``.
 
         Returns
         -------
@@ -405,6 +411,8 @@ class Transformer(nn.Module):
             tree_mask = tree_mask.contiguous()
         wanted = check_hidden_indices(output_hidden, self.config.num_hidden_layers)
         slots = cache._begin(t)
+        if tree_mask is None and t > ops.MAX_TREE_NODES:
+            return self._forward_chunked(input_ids, positions, cache, output_hidden)
         prefix = cache.lengths
         rows = torch.arange(batch, device=self.device).unsqueeze(1)
         groups = self.config.num_groups
@@ -429,6 +437,40 @@ class Transformer(nn.Module):
         if output_hidden is None:
             return logits
         return logits, tuple(hidden)
+
+    def _forward_chunked(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        output_hidden: Optional[Sequence[int]],
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+        """A causal chain longer than tree_attention's 1024 query rows, in consecutive chunks.
+
+        Each chunk attends to the cache (which already holds the earlier chunks) plus itself
+        causally, which is exactly the attention of the whole chain. Validation was done on the
+        whole input, so no chunk can fail after an earlier one was committed.
+        """
+        start = cache.lengths.clone()
+        step = ops.MAX_TREE_NODES
+        parts = []
+        for i in range(0, input_ids.shape[1], step):
+            parts.append(
+                self.forward(
+                    input_ids[:, i : i + step],
+                    positions[:, i : i + step],
+                    cache,
+                    output_hidden=output_hidden,
+                )
+            )
+        # The whole chain is the block that compact() refers to, not just its last chunk.
+        cache._tree_start = start
+        cache._tree_size = input_ids.shape[1]
+        if output_hidden is None:
+            return torch.cat(parts, dim=1)
+        logits = torch.cat([p[0] for p in parts], dim=1)
+        hidden = tuple(torch.cat(h, dim=1) for h in zip(*(p[1] for p in parts)))
+        return logits, hidden
 
     @staticmethod
     def _dense_mask(
@@ -482,7 +524,9 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_state_dict(state, directory)
-        self.config.to_json_file(directory / CONFIG_NAME, torch_dtype=dtype_name(self.dtype))
+        # transformers 4 reads torch_dtype, transformers 5 dtype.
+        name = dtype_name(self.dtype)
+        self.config.to_json_file(directory / CONFIG_NAME, torch_dtype=name, dtype=name)
 
     @classmethod
     def from_pretrained(

@@ -1,0 +1,405 @@
+// Tree-masked attention on the GPU, flash-decoding style.
+//
+// Kernel 1 (attend): a thread block owns one KV head of one sequence, one range of the prefix
+// (its split) and up to kRowsPerBlock of the T x (Hq / Hkv) query rows that share the head; it
+// streams the range through shared memory in tiles of 32 keys, so each key is read from global
+// memory once per block and used by every row of the block. A warp serves kRowsPerWarp rows:
+// for scores, lane j takes key j of the tile; for the output, lane i takes dims i, i + 32, ...
+// The last split also runs the masked tree part. Prefix and tree keep separate online-softmax
+// states, merged with the log-sum-exp rule of specdecode/attention.h (the same functions the CPU
+// runs). Kernel 2 (merge) folds the splits' partials in split order.
+#include <algorithm>
+
+#include "attention.cuh"
+#include "specdecode/attention.h"
+#include "specdecode/host_device.h"
+
+namespace sd {
+namespace cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kTile = 32;  // keys per shared-memory tile: one per lane
+constexpr int kWarps = 8;
+constexpr int kRowsPerWarp = 4;
+constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
+
+template <AttnDType DT>
+struct Elem;
+template <>
+struct Elem<AttnDType::kFloat32> {
+  using T = float;
+  static __device__ float load(const T* p) { return *p; }
+  static __device__ T store(float f) { return f; }
+};
+template <>
+struct Elem<AttnDType::kFloat16> {
+  using T = uint16_t;
+  static __device__ float load(const T* p) { return half_to_float(*p); }
+  static __device__ T store(float f) { return float_to_half(f); }
+};
+template <>
+struct Elem<AttnDType::kBFloat16> {
+  using T = uint16_t;
+  static __device__ float load(const T* p) { return bf16_to_float(*p); }
+  static __device__ T store(float f) { return float_to_bf16(f); }
+};
+
+__device__ __forceinline__ int64_t min64(int64_t x, int64_t y) {
+  return x < y ? x : y;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = kWarp / 2; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = kWarp / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+struct Params {
+  AttentionArgs a;
+  int splits;
+  int row_tiles;
+  int words;
+  float* part_o;
+  float* part_lse;
+};
+
+// Shared memory: K tile [kTile][D + 1] (padded: lane j reads row j, so rows must fall in
+// different banks), V tile [kTile][D], query rows [kRowsPerBlock][D], all float.
+template <int D>
+constexpr int smem_floats() {
+  return kTile * (D + 1) + kTile * D + kRowsPerBlock * D;
+}
+
+// Streams keys [begin, end) (relative to `k`/`v`, which point at position 0 of the range's
+// origin for this head) through the online softmax of the warp's rows. tree: the keys are tree
+// nodes and use the mask; otherwise every key < end is visible.
+template <int D, AttnDType DT>
+__device__ __forceinline__ void attend_range(const Params& p, const typename Elem<DT>::T* k,
+                                             const typename Elem<DT>::T* v, int64_t begin,
+                                             int64_t end, bool tree, const uint32_t* mask_b,
+                                             const int* row_t, const bool* row_ok, float* ks,
+                                             float* vs, const float* qs, SoftmaxState* st,
+                                             float (*acc)[(D + kWarp - 1) / kWarp]) {
+  constexpr int kNV = (D + kWarp - 1) / kWarp;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t rs = p.a.kv_strides[1];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    st[i] = softmax_init();
+#pragma unroll
+    for (int c = 0; c < kNV; ++c) acc[i][c] = 0.0f;
+  }
+  for (int64_t j0 = begin; j0 < end; j0 += kTile) {
+    const int n = static_cast<int>(min64(kTile, end - j0));
+    __syncthreads();  // the previous tile is no longer read
+    for (int e = threadIdx.x; e < kTile * D; e += blockDim.x) {
+      const int j = e / D, d = e % D;
+      float kv = 0.0f, vv = 0.0f;
+      if (j < n) {
+        kv = Elem<DT>::load(k + (j0 + j) * rs + d);
+        vv = Elem<DT>::load(v + (j0 + j) * rs + d);
+      }
+      ks[j * (D + 1) + d] = kv;
+      vs[j * D + d] = vv;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int r = warp * kRowsPerWarp + i;
+      if (!row_ok[i]) continue;  // uniform across the warp
+      const float* q = qs + r * D;
+      const int j = lane;
+      bool visible = j < n;
+      if (tree && visible) {
+        const uint32_t* mrow = mask_b ? mask_b + static_cast<int64_t>(row_t[i]) * p.words : nullptr;
+        visible = tree_key_visible(mrow, row_t[i], static_cast<int>(j0 + j));
+      }
+      float s = -INFINITY;
+      if (visible) {
+        float dot = 0.0f;
+        const float* kr = ks + j * (D + 1);
+#pragma unroll 8
+        for (int d = 0; d < D; ++d) dot = fmaf(q[d], kr[d], dot);
+        s = dot;
+      }
+      const float alpha = softmax_rescale(&st[i], warp_max(s));
+      const float prob = exp2f(s - softmax_reference(st[i].m));  // 0 for masked keys
+      st[i].l += warp_sum(prob);
+#pragma unroll
+      for (int c = 0; c < kNV; ++c) acc[i][c] *= alpha;
+      for (int jj = 0; jj < n; ++jj) {
+        const float pj = __shfl_sync(0xffffffffu, prob, jj);
+        if (pj == 0.0f) continue;  // uniform: pj is the same in every lane
+        const float* vr = vs + jj * D;
+#pragma unroll
+        for (int c = 0; c < kNV; ++c) {
+          const int d = lane + c * kWarp;
+          if (d < D) acc[i][c] = fmaf(pj, vr[d], acc[i][c]);
+        }
+      }
+    }
+  }
+}
+
+template <int D, AttnDType DT>
+__global__ void __launch_bounds__(kWarps* kWarp) attend_kernel(Params p) {
+  using T = typename Elem<DT>::T;
+  constexpr int kNV = (D + kWarp - 1) / kWarp;
+  extern __shared__ float smem[];
+  float* ks = smem;
+  float* vs = ks + kTile * (D + 1);
+  float* qs = vs + kTile * D;
+
+  const AttentionArgs& a = p.a;
+  const int64_t b = blockIdx.z, kvh = blockIdx.y;
+  const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
+  const int64_t g = a.q_heads / a.kv_heads;
+  const int64_t rows = a.tree_len * g;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+
+  const int64_t prefix = a.prefix_lens[b];
+  const bool ok = prefix >= 0 && prefix + a.tree_len <= a.cache_len;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) a.status[b] = ok ? 0 : 1;
+
+  // Query rows of this block, scaled into the log2 domain.
+  const T* q = static_cast<const T*>(a.q);
+  const float mult = a.scale * kLog2e;
+  for (int e = threadIdx.x; e < kRowsPerBlock * D; e += blockDim.x) {
+    const int r = e / D, d = e % D;
+    const int64_t rr = static_cast<int64_t>(tile) * kRowsPerBlock + r;
+    float x = 0.0f;
+    if (rr < rows) {
+      const int64_t t = rr / g, h = kvh * g + rr % g;
+      x = Elem<DT>::load(q + b * a.q_strides[0] + t * a.q_strides[1] + h * a.q_strides[2] + d) *
+          mult;
+    }
+    qs[e] = x;
+  }
+  int row_t[kRowsPerWarp];
+  bool row_ok[kRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int64_t rr = static_cast<int64_t>(tile) * kRowsPerBlock + warp * kRowsPerWarp + i;
+    row_ok[i] = ok && rr < rows;
+    row_t[i] = static_cast<int>(rr / g);
+  }
+
+  // This split's prefix range; the last split also takes the tree.
+  const int64_t chunk = ok ? ((prefix + p.splits - 1) / p.splits + kTile - 1) / kTile * kTile : 0;
+  const int64_t kb = min64(prefix, split * chunk), ke = min64(prefix, kb + chunk);
+  const bool last = split == p.splits - 1;
+  const T* kbase = static_cast<const T*>(a.k) + b * a.kv_strides[0] + kvh * a.kv_strides[2];
+  const T* vbase = static_cast<const T*>(a.v) + b * a.kv_strides[0] + kvh * a.kv_strides[2];
+
+  SoftmaxState st_p[kRowsPerWarp], st_t[kRowsPerWarp];
+  float acc_p[kRowsPerWarp][kNV], acc_t[kRowsPerWarp][kNV];
+  attend_range<D, DT>(p, kbase, vbase, ok ? kb : 0, ok ? ke : 0, false, nullptr, row_t, row_ok, ks,
+                      vs, qs, st_p, acc_p);
+  const int64_t rs = a.kv_strides[1];
+  const uint32_t* mask_b = a.mask ? a.mask + b * a.tree_len * p.words : nullptr;
+  attend_range<D, DT>(p, kbase + (ok ? prefix : 0) * rs, vbase + (ok ? prefix : 0) * rs, 0,
+                      ok && last ? a.tree_len : 0, true, mask_b, row_t, row_ok, ks, vs, qs, st_t,
+                      acc_t);
+
+#pragma unroll
+
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int64_t rr = static_cast<int64_t>(tile) * kRowsPerBlock + warp * kRowsPerWarp + i;
+    if (rr >= rows) continue;
+    float inv_p, inv_t;
+    const float lse_p = softmax_finish(st_p[i], &inv_p);
+    const float lse_t = softmax_finish(st_t[i], &inv_t);
+    float wp, wt;
+    const float lse = lse_merge_weights(lse_p, lse_t, &wp, &wt);
+    wp *= inv_p;
+    wt *= inv_t;
+    const int64_t t = rr / g, h = kvh * g + rr % g;
+    const int64_t row = (b * a.tree_len + t) * a.q_heads + h;
+    if (p.splits == 1) {
+      T* out = static_cast<T*>(a.out) + row * D;
+#pragma unroll
+      for (int c = 0; c < kNV; ++c) {
+        const int d = lane + c * kWarp;
+        if (d < D) out[d] = Elem<DT>::store(wp * acc_p[i][c] + wt * acc_t[i][c]);
+      }
+      if (a.lse && lane == 0) a.lse[row] = lse * kLn2;
+    } else {
+      const int64_t prow = static_cast<int64_t>(split) * a.batch * a.tree_len * a.q_heads + row;
+      float* po = p.part_o + prow * D;
+#pragma unroll
+      for (int c = 0; c < kNV; ++c) {
+        const int d = lane + c * kWarp;
+        if (d < D) po[d] = wp * acc_p[i][c] + wt * acc_t[i][c];
+      }
+      if (lane == 0) p.part_lse[prow] = lse;
+    }
+  }
+}
+
+// One warp per (b, t, h) row: folds the splits in order with the log-sum-exp rule.
+template <int D, AttnDType DT>
+__global__ void merge_kernel(Params p) {
+  using T = typename Elem<DT>::T;
+  constexpr int kNV = (D + kWarp - 1) / kWarp;
+  const AttentionArgs& a = p.a;
+  const int64_t nrows = a.batch * a.tree_len * a.q_heads;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
+  if (row >= nrows) return;
+  const int lane = threadIdx.x % kWarp;
+  float acc[kNV];
+#pragma unroll
+  for (int c = 0; c < kNV; ++c) acc[c] = 0.0f;
+  float lse = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) {
+    const int64_t prow = static_cast<int64_t>(s) * nrows + row;
+    float wa, wb;
+    lse = lse_merge_weights(lse, p.part_lse[prow], &wa, &wb);
+    const float* po = p.part_o + prow * D;
+#pragma unroll
+    for (int c = 0; c < kNV; ++c) {
+      const int d = lane + c * kWarp;
+      if (d < D) acc[c] = wa * acc[c] + (wb != 0.0f ? wb * po[d] : 0.0f);
+    }
+  }
+  T* out = static_cast<T*>(a.out) + row * D;
+#pragma unroll
+  for (int c = 0; c < kNV; ++c) {
+    const int d = lane + c * kWarp;
+    if (d < D) out[d] = Elem<DT>::store(acc[c]);
+  }
+  if (a.lse && lane == 0) a.lse[row] = lse * kLn2;
+}
+
+template <int D, AttnDType DT>
+cudaError_t launch(const Params& p, cudaStream_t stream) {
+  const AttentionArgs& a = p.a;
+  const size_t smem = smem_floats<D>() * sizeof(float);
+  cudaError_t err = cudaFuncSetAttribute(
+      attend_kernel<D, DT>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(p.row_tiles * p.splits), static_cast<unsigned>(a.kv_heads),
+                  static_cast<unsigned>(a.batch));
+  attend_kernel<D, DT><<<grid, kWarps * kWarp, smem, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || p.splits == 1) return err;
+  constexpr int kMergeWarps = 4;
+  const int64_t nrows = a.batch * a.tree_len * a.q_heads;
+  const unsigned blocks = static_cast<unsigned>((nrows + kMergeWarps - 1) / kMergeWarps);
+  merge_kernel<D, DT><<<blocks, kMergeWarps * kWarp, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <AttnDType DT>
+cudaError_t launch_dtype(const Params& p, cudaStream_t stream) {
+  switch (p.a.head_dim) {
+    case 64:
+      return launch<64, DT>(p, stream);
+    case 80:
+      return launch<80, DT>(p, stream);
+    case 96:
+      return launch<96, DT>(p, stream);
+    case 128:
+      return launch<128, DT>(p, stream);
+    case 256:
+      return launch<256, DT>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+// ---- compact_kv ------------------------------------------------------------------------------
+
+__global__ void compact_validate_kernel(const int32_t* prefix_lens, const int32_t* path,
+                                        int path_len, const int32_t* num_accepted, int64_t batch,
+                                        int64_t cache_len, int32_t* status) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= batch) return;
+  int bad = 0;
+  const CompactError err = validate_compact_row(path + b * path_len, path_len, num_accepted[b],
+                                                prefix_lens[b], cache_len, &bad);
+  status[2 * b] = static_cast<int32_t>(err);
+  status[2 * b + 1] = bad;
+}
+
+// One block per sequence. Moves run in increasing i with a barrier between them: move i may
+// overwrite the source of an earlier move (never of a later one, see validate_compact_row), so
+// every move must have finished reading before the next one writes.
+__global__ void compact_move_kernel(char* k, char* v, int elem_size, int64_t s0, int64_t s1,
+                                    int64_t s2, int64_t batch, int64_t kv_heads, int64_t head_dim,
+                                    const int32_t* prefix_lens, const int32_t* path, int path_len,
+                                    const int32_t* num_accepted, int32_t* new_lens,
+                                    const int32_t* status) {
+  const int64_t b = blockIdx.x;
+  for (int64_t i = 0; i < batch; ++i) {
+    if (status[2 * i] != 0) return;  // all or nothing: any invalid row cancels every move
+  }
+  const int64_t prefix = prefix_lens[b];
+  const int32_t* row = path + b * path_len;
+  const int count = num_accepted[b];
+  const int64_t row_bytes = head_dim * elem_size;
+  for (int i = 0; i < count; ++i) {
+    const int32_t node = row[i];
+    if (node != i) {
+      for (int64_t e = threadIdx.x; e < 2 * kv_heads * row_bytes; e += blockDim.x) {
+        char* base = e < kv_heads * row_bytes ? k : v;
+        const int64_t f = e % (kv_heads * row_bytes);
+        const int64_t h = f / row_bytes, byte = f % row_bytes;
+        const int64_t off = (b * s0 + h * s2) * elem_size + byte;
+        const char val = base[off + (prefix + node) * s1 * elem_size];
+        base[off + (prefix + i) * s1 * elem_size] = val;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) new_lens[b] = static_cast<int32_t>(prefix + count);
+}
+
+}  // namespace
+
+cudaError_t tree_attention(const AttentionArgs& args, int splits, float* part_o, float* part_lse,
+                           cudaStream_t stream) {
+  if (args.batch == 0) return cudaSuccess;
+  Params p;
+  p.a = args;
+  p.splits = std::max(1, splits);
+  const int64_t rows = args.tree_len * (args.q_heads / args.kv_heads);
+  p.row_tiles = static_cast<int>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  p.words = mask_words(static_cast<int>(args.tree_len));
+  p.part_o = part_o;
+  p.part_lse = part_lse;
+  switch (args.dtype) {
+    case AttnDType::kFloat32:
+      return launch_dtype<AttnDType::kFloat32>(p, stream);
+    case AttnDType::kFloat16:
+      return launch_dtype<AttnDType::kFloat16>(p, stream);
+    case AttnDType::kBFloat16:
+      return launch_dtype<AttnDType::kBFloat16>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t compact_kv(void* k, void* v, int elem_size, const int64_t kv_strides[3], int64_t batch,
+                       int64_t cache_len, int64_t kv_heads, int64_t head_dim,
+                       const int32_t* prefix_lens, const int32_t* path, int path_len,
+                       const int32_t* num_accepted, int32_t* new_lens, int32_t* status,
+                       cudaStream_t stream) {
+  if (batch == 0) return cudaSuccess;
+  constexpr int kThreads = 128;
+  compact_validate_kernel<<<static_cast<unsigned>((batch + kThreads - 1) / kThreads), kThreads, 0,
+                            stream>>>(prefix_lens, path, path_len, num_accepted, batch, cache_len,
+                                      status);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  compact_move_kernel<<<static_cast<unsigned>(batch), 256, 0, stream>>>(
+      static_cast<char*>(k), static_cast<char*>(v), elem_size, kv_strides[0], kv_strides[1],
+      kv_strides[2], batch, kv_heads, head_dim, prefix_lens, path, path_len, num_accepted, new_lens,
+      status);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace sd
