@@ -88,9 +88,11 @@ def test_config_validation():
 def test_tiny_run_table_and_identity(models, tmp_path):
     torch.set_num_threads(1)
     config = benchmark.BenchConfig(
-        num_prompts=2, max_new_tokens=8, repeats=1, batch_sizes=(1, 2), max_prompt_tokens=48
+        num_prompts=2, max_new_tokens=8, repeats=1, batch_sizes=(1, 8), max_prompt_tokens=48
     )
     rows, meta = benchmark.run_benchmark(config, models=models, quiet=True)
+    # Batch 8 over 2 prompts runs as (and is reported as) one batch of 2.
+    assert {r.batch for r in rows if r.library == "specdecode"} == {1, 2}
     per_panel = len(benchmark.HF_METHODS) + 2 * len(benchmark.SPECDECODE_METHODS)
     assert len(rows) == 2 * 2 * per_panel
     for r in rows:

@@ -100,8 +100,8 @@ class BenchConfig:
     tokenizer: Optional[str] = None
     datasets: Sequence[str] = DATASETS
     num_prompts: int = 8
-    max_new_tokens: int = 64
-    max_prompt_tokens: int = 384
+    max_new_tokens: int = 32
+    max_prompt_tokens: int = 192
     repeats: int = 3
     batch_sizes: Sequence[int] = (1, 8)
     temperatures: Sequence[float] = (0.0, 1.0)
@@ -541,7 +541,9 @@ def _measure(
                 quiet,
             )
     ours_ref: Optional[list[list[int]]] = None
-    for batch in config.batch_sizes:
+    # A batch size above the number of prompts runs (and is reported) as one batch of them all.
+    batch_sizes = list(dict.fromkeys(min(b, len(prompts)) for b in config.batch_sizes))
+    for batch in batch_sizes:
         for method in SPECDECODE_METHODS:
             if method.startswith("model") and models.ours_draft is None:
                 continue
@@ -559,7 +561,7 @@ def _measure(
                 reference = "transformers autoregressive"
             else:
                 ident = (count_identical(outs, ours_ref), len(outs)) if greedy else None
-                reference = f"specdecode autoregressive, batch {config.batch_sizes[0]}"
+                reference = f"specdecode autoregressive, batch {batch_sizes[0]}"
             rows.append(
                 Row(
                     dataset,
@@ -804,8 +806,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="sentencepiece .model file or tokenizer directory")
     p.add_argument("--datasets", default="humaneval,prose", help="comma list of humaneval,prose")
     p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-prompt-tokens", type=int, default=192)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-sizes", default="1,8", help="specdecode batch sizes, comma list")
     p.add_argument("--temperatures", default="0,1", help="comma list; 0 = greedy")
