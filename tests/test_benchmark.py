@@ -161,3 +161,10 @@ def test_cli_parses_bench_options():
     assert config.temperatures == (0.0,)
     with pytest.raises(ValueError, match="batch-sizes"):
         benchmark.config_from_args(build_parser().parse_args(["bench", "--batch-sizes", "a"]))
+
+
+def test_command_reports_bad_options_without_a_traceback(capsys):
+    assert benchmark.main(["--model", "/nonexistent/dir", "--quiet"]) == 2
+    assert "model: '/nonexistent/dir' does not exist" in capsys.readouterr().err
+    assert benchmark.main(["--num-prompts", "0", "--quiet"]) == 2
+    assert "num_prompts" in capsys.readouterr().err

@@ -852,8 +852,13 @@ def run_from_args(args: argparse.Namespace, command: str) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads: expected >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    config = config_from_args(args)
-    rows, meta = run_benchmark(config, quiet=args.quiet)
+    try:
+        config = config_from_args(args)
+        rows, meta = run_benchmark(config, quiet=args.quiet)
+    except (FileNotFoundError, ModuleNotFoundError, TypeError, ValueError) as e:
+        # Bad options, a missing bundled pair or a missing optional package: a message, no trace.
+        print(f"specdecode bench: error: {e}", file=sys.stderr)
+        return 2
     paths = write_outputs(rows, meta, Path(args.out), command, plot=not args.no_plot)
     print(format_report(rows, meta, command))
     for line in goals(rows):
