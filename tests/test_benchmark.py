@@ -1,0 +1,170 @@
+"""specdecode.benchmark: a tiny configuration end to end (tiny random models saved in the Hugging
+Face layout, loaded by both libraries), the table's structure and the greedy identity check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from specdecode.models import ModelConfig, Transformer
+
+from specdecode import benchmark
+
+VOCAB = 300
+
+
+def _tiny(seed: int, layers: int, hidden: int) -> Transformer:
+    config = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+    )
+    torch.manual_seed(seed)
+    return Transformer(config).eval()
+
+
+class _ByteTokenizer:
+    path = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return [1] + [4 + b for b in text.encode("utf-8")]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("pair")
+    _tiny(1, 2, 64).save_pretrained(root / "target")
+    _tiny(2, 1, 32).save_pretrained(root / "draft")
+    return benchmark._Models(
+        name="tiny random pair",
+        target_dir=str(root / "target"),
+        draft_dir=str(root / "draft"),
+        ours_target=benchmark._load_ours(str(root / "target")),
+        ours_draft=benchmark._load_ours(str(root / "draft")),
+        hf_target=benchmark._load_hf(str(root / "target")),
+        hf_draft=benchmark._load_hf(str(root / "draft")),
+        tokenizer=_ByteTokenizer(),
+    )
+
+
+def test_prompts_are_real_and_distinct():
+    he = benchmark.humaneval_prompts(3)
+    assert len(he) == 3 and len(set(he)) == 3
+    assert all("def " in p for p in he)
+    assert len(benchmark.humaneval_prompts(1000)) == 164
+    prose, sources = benchmark.prose_prompts(4)
+    assert len(prose) == 4 and len(set(prose)) == 4 and sources
+    assert all(len(p) > 200 and " " in p for p in prose)
+
+
+def test_count_identical():
+    assert benchmark.count_identical([[1, 2], [3]], [[1, 2], [3]]) == 2
+    assert benchmark.count_identical([[1, 2], [3]], [[1, 5], [3]]) == 1
+    with pytest.raises(ValueError, match="outputs"):
+        benchmark.count_identical([[1]], [[1], [2]])
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="datasets"):
+        benchmark.BenchConfig(datasets=("wiki",)).validate()
+    with pytest.raises(ValueError, match="num_prompts"):
+        benchmark.BenchConfig(num_prompts=0).validate()
+    with pytest.raises(TypeError, match="repeats"):
+        benchmark.BenchConfig(repeats=1.5).validate()
+    with pytest.raises(ValueError, match="batch_sizes"):
+        benchmark.BenchConfig(batch_sizes=(0,)).validate()
+    with pytest.raises(ValueError, match="model"):
+        benchmark.BenchConfig(model="/nonexistent/dir").validate()
+
+
+@pytest.mark.slow
+def test_tiny_run_table_and_identity(models, tmp_path):
+    torch.set_num_threads(1)
+    config = benchmark.BenchConfig(
+        num_prompts=2, max_new_tokens=8, repeats=1, batch_sizes=(1, 8), max_prompt_tokens=48
+    )
+    rows, meta = benchmark.run_benchmark(config, models=models, quiet=True)
+    # Batch 8 over 2 prompts runs as (and is reported as) one batch of 2.
+    assert {r.batch for r in rows if r.library == "specdecode"} == {1, 2}
+    per_panel = len(benchmark.HF_METHODS) + 2 * len(benchmark.SPECDECODE_METHODS)
+    assert len(rows) == 2 * 2 * per_panel
+    for r in rows:
+        assert r.tokens_per_s > 0 and len(r.runs_tokens_per_s) == 1
+        assert r.new_tokens == 2 * 8  # no stop token: every row does the same work
+        assert r.speedup_hf is not None and r.speedup_hf > 0
+        assert (r.speedup_ours is not None) == (r.library == "specdecode")
+        if r.library == "specdecode" and r.method != "autoregressive":
+            assert 0 <= r.acceptance <= 1
+        assert r.tokens_per_step >= 1 - 1e-9 if r.library == "specdecode" else r.tokens_per_step > 0
+        if r.temperature == 0:
+            # Greedy speculative decoding must reproduce the autoregressive tokens.
+            assert r.identical == (2, 2), (r.library, r.method, r.batch)
+        else:
+            assert r.identical is None
+    ar = [r for r in rows if r.library == "specdecode" and r.method == "autoregressive"]
+    assert all(abs(r.tokens_per_step - 1) < 1e-9 and r.speedup_ours == 1 for r in ar)
+    table = benchmark.format_table(rows).splitlines()
+    assert table[0] == "| " + " | ".join(benchmark.TABLE_COLUMNS) + " |"
+    assert len(table) == 2 + len(rows)
+    assert all(line.count("|") == len(benchmark.TABLE_COLUMNS) + 1 for line in table)
+    assert any("| 2/2 |" in line for line in table)
+    paths = benchmark.write_outputs(rows, meta, tmp_path / "out", "test", plot=True)
+    png = tmp_path / "out" / "tokens_per_s.png"
+    assert png in paths and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(saved["rows"]) == len(rows)
+    assert "greedy identical" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_identity_check_reports_a_mismatch(models, monkeypatch):
+    """A drafter path that changes the output must show up as non-identical."""
+    real = benchmark._run_ours
+
+    def corrupted(models_, method, prompts, batch, temperature, new, seed):
+        seconds, outs, *rest = real(models_, method, prompts, batch, temperature, new, seed)
+        if method == "cacheback":
+            outs = [[(t + 1) % VOCAB for t in o] for o in outs]
+        return (seconds, outs, *rest)
+
+    monkeypatch.setattr(benchmark, "_run_ours", corrupted)
+    config = benchmark.BenchConfig(
+        datasets=("humaneval",),
+        num_prompts=2,
+        max_new_tokens=4,
+        repeats=1,
+        batch_sizes=(1,),
+        temperatures=(0.0,),
+        hf=False,
+    )
+    rows, _ = benchmark.run_benchmark(config, models=models, quiet=True)
+    by_method = {r.method: r.identical for r in rows}
+    assert by_method["cacheback"] == (0, 2)
+    assert by_method["model chain"] == (2, 2)
+
+
+def test_cli_parses_bench_options():
+    from specdecode.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "--num-prompts", "2", "--batch-sizes", "1,4", "--temperatures", "0"]
+    )
+    assert isinstance(args, argparse.Namespace)
+    config = benchmark.config_from_args(args)
+    assert config.num_prompts == 2 and config.batch_sizes == (1, 4)
+    assert config.temperatures == (0.0,)
+    with pytest.raises(ValueError, match="batch-sizes"):
+        benchmark.config_from_args(build_parser().parse_args(["bench", "--batch-sizes", "a"]))
+
+
+def test_command_reports_bad_options_without_a_traceback(capsys):
+    assert benchmark.main(["--model", "/nonexistent/dir", "--quiet"]) == 2
+    assert "model: '/nonexistent/dir' does not exist" in capsys.readouterr().err
+    assert benchmark.main(["--num-prompts", "0", "--quiet"]) == 2
+    assert "num_prompts" in capsys.readouterr().err
