@@ -1,0 +1,222 @@
+"""Measure a zoo pair: ``python -m specdecode.zoo.evaluate --target DIR --draft DIR ...``.
+
+Reports, as JSON:
+
+* ``heldout_loss`` of each model: mean next-token cross-entropy (nats) over every
+  non-overlapping ``--seq-len`` window of the held-out files;
+* ``greedy_agreement``: the fraction of held-out positions (real text as the prefix) where the
+  draft's greedy token equals the target's greedy token;
+* ``chain_k``: for greedy speculative decoding with draft chains of ``k`` tokens, the mean number
+  of draft tokens the target accepts per step and the mean tokens emitted per step (accepted +
+  the bonus/correction token), measured exactly on the target's own greedy continuations of
+  held-out prompts. On a sequence the target generated greedily, the target's greedy token at
+  each position *is* the next token, and the draft's chain stays on that sequence for as long as
+  it matches, so one teacher-forced draft pass gives every step's accepted length;
+* ``samples``: greedy continuations of a few code prompts by the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import numpy as np
+import torch
+
+from .tokenizer import Tokenizer
+
+SAMPLE_PROMPTS = (
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i, line in enumerate(",
+)
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, use_cache: bool = True
+) -> torch.Tensor:
+    """Greedy continuation of ``ids``.
+
+    Parameters
+    ----------
+    model : Transformer
+    ids : torch.Tensor
+        int64 [B, T] prompts (same length).
+    new_tokens : int
+        Tokens to append.
+    use_cache : bool
+        Decode with the model's KV cache (``model.forward`` one token at a time); False recomputes
+        the whole prefix with ``forward_train`` for every token (the reference the cached path is
+        tested against).
+
+    Returns
+    -------
+    torch.Tensor
+        int64 [B, T + new_tokens].
+    """
+    b, t = ids.shape
+    if not use_cache:
+        out = ids
+        for _ in range(new_tokens):
+            nxt = model.forward_train(out)[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, nxt], dim=1)
+        return out
+    cache = model.new_cache(b, t + new_tokens)
+    positions = torch.arange(t).expand(b, t)
+    logits = model(ids, positions, cache)
+    out = [ids]
+    for i in range(new_tokens):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(nxt)
+        if i + 1 < new_tokens:
+            logits = model(nxt, torch.full((b, 1), t + i), cache)
+    return torch.cat(out, dim=1)
+
+
+def chain_accept_lengths(match: np.ndarray, k: int) -> np.ndarray:
+    """Accepted lengths of greedy chains of ``k`` draft tokens, one per starting position.
+
+    Parameters
+    ----------
+    match : np.ndarray
+        bool [N]: ``match[j]`` says the draft's greedy token at position ``j`` equals the target's.
+    k : int
+        Chain length.
+
+    Returns
+    -------
+    np.ndarray
+        int64 [N - k + 1]: for each start ``t``, the number of leading ``True`` in
+        ``match[t : t + k]``.
+    """
+    n = match.shape[0] - k + 1
+    if n <= 0:
+        return np.zeros(0, dtype=np.int64)
+    out = np.zeros(n, dtype=np.int64)
+    alive = np.ones(n, dtype=bool)
+    for i in range(k):
+        alive &= match[i : i + n]
+        out += alive
+    return out
+
+
+def simulate_steps(match: np.ndarray, k: int) -> List[int]:
+    """Accepted counts of the successive steps of greedy decoding along one sequence.
+
+    Decoding starts at position 0; each step accepts ``a`` draft tokens and emits ``a + 1``
+    tokens (the last is the target's bonus or correction token), so the next step starts
+    ``a + 1`` positions later. Steps that would run past the end are not counted.
+    """
+    lengths = chain_accept_lengths(match, k)
+    steps, t = [], 0
+    while t < lengths.shape[0]:
+        steps.append(int(lengths[t]))
+        t += int(lengths[t]) + 1
+    return steps
+
+
+@torch.no_grad()
+def pair_stats(target, draft, windows: torch.Tensor, batch: int = 8) -> Dict[str, float]:
+    """Held-out loss of both models and greedy agreement on ``windows`` [N, T + 1]."""
+    tl = dl = 0.0
+    agree = count = 0
+    for i in range(0, windows.shape[0], batch):
+        w = windows[i : i + batch]
+        inp, lab = w[:, :-1], w[:, 1:]
+        t = target.forward_train(inp).float()
+        d = draft.forward_train(inp).float()
+        n = lab.numel()
+        tl += torch.nn.functional.cross_entropy(t.reshape(n, -1), lab.reshape(-1)).item() * n
+        dl += torch.nn.functional.cross_entropy(d.reshape(n, -1), lab.reshape(-1)).item() * n
+        agree += (t.argmax(-1) == d.argmax(-1)).sum().item()
+        count += n
+    return {
+        "target_heldout_loss": tl / count,
+        "draft_heldout_loss": dl / count,
+        "greedy_agreement": agree / count,
+        "positions": count,
+    }
+
+
+@torch.no_grad()
+def chain_stats(
+    target, draft, prompts: torch.Tensor, new_tokens: int, ks: Sequence[int] = (4,)
+) -> Dict[str, Dict[str, float]]:
+    """Greedy speculative decoding statistics on the target's continuations of ``prompts``."""
+    seqs = greedy_generate(target, prompts, new_tokens)
+    p = prompts.shape[1]
+    # Draft greedy predictions for the generated positions, teacher-forced on the sequence.
+    d_pred = draft.forward_train(seqs[:, :-1]).argmax(-1)[:, p - 1 :]
+    match = (d_pred == seqs[:, p:]).numpy()
+    out = {}
+    for k in ks:
+        steps = [a for row in match for a in simulate_steps(row, k)]
+        out[str(k)] = {
+            "mean_accepted": float(np.mean(steps)),
+            "tokens_per_step": float(np.mean(steps)) + 1.0,
+            "steps": len(steps),
+        }
+    out["generated_tokens"] = int(match.size)
+    out["greedy_agreement_on_target_text"] = float(match.mean())
+    return out
+
+
+def heldout_windows_all(stream: np.ndarray, seq: int) -> torch.Tensor:
+    """Every non-overlapping window of ``seq + 1`` tokens (consecutive windows share one token)."""
+    n = (stream.size - 1) // seq
+    t = torch.from_numpy(stream.astype(np.int64))
+    return torch.stack([t[i * seq : i * seq + seq + 1] for i in range(n)])
+
+
+def main(argv=None) -> int:
+    from ..models import Transformer
+
+    p = argparse.ArgumentParser(prog="python -m specdecode.zoo.evaluate", description=__doc__)
+    p.add_argument("--target", type=Path, required=True)
+    p.add_argument("--draft", type=Path, required=True)
+    p.add_argument("--tokenizer", type=Path, required=True)
+    p.add_argument("--heldout", type=Path, required=True, help="heldout.npy of the data dir")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--max-windows", type=int, default=1000)
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts for chain stats")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--sample-tokens", type=int, default=80)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-samples", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target = Transformer.from_pretrained(str(args.target)).eval()
+    draft = Transformer.from_pretrained(str(args.draft)).eval()
+    tok = Tokenizer(args.tokenizer)
+    stream = np.load(args.heldout)
+    windows = heldout_windows_all(stream, args.seq_len)[: args.max_windows]
+    result: Dict = {"pair": pair_stats(target, draft, windows)}
+    # Prompts: evenly spaced held-out windows' first prompt-len tokens.
+    idx = np.linspace(0, windows.shape[0] - 1, num=min(args.prompts, windows.shape[0]))
+    prompts = windows[idx.astype(np.int64)][:, : args.prompt_len]
+    result["chains"] = chain_stats(target, draft, prompts, args.new_tokens, ks=(1, 2, 4, 8))
+    if not args.no_samples:
+        samples = []
+        for text in SAMPLE_PROMPTS:
+            ids = torch.tensor([tok.encode(text, bos=True)])
+            out = greedy_generate(target, ids, args.sample_tokens)[0, ids.shape[1] :].tolist()
+            if tok.eos_id in out:
+                out = out[: out.index(tok.eos_id)]
+            samples.append({"prompt": text, "completion": tok.decode(out)})
+        result["samples"] = samples
+    text = json.dumps(result, indent=1)
+    if args.out is not None:
+        args.out.write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

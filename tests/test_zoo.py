@@ -1,0 +1,425 @@
+"""The zoo: tokenizer, corpus, training command, evaluation helpers and the shipped pair."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from specdecode.zoo import corpus as zcorpus
+from specdecode.zoo import evaluate as zeval
+from specdecode.zoo import train as ztrain
+from specdecode.zoo.tokenizer import SP_WHITESPACE, Tokenizer, train_sentencepiece
+
+from specdecode import zoo
+
+PAIR = "pycode"
+HAVE_PAIR = PAIR in zoo.available()
+needs_pair = pytest.mark.skipif(not HAVE_PAIR, reason="the pycode weights are not installed")
+
+
+# ----------------------------------------------------------------------------- shipped pair
+
+
+def test_pair_is_installed_with_the_package():
+    # The weights ship inside the wheel: a missing pair is a packaging bug, not a skip.
+    assert PAIR in zoo.available()
+    d = zoo.path(PAIR)
+    assert "site-packages" in str(d) or "dist-packages" in str(d), d
+    total = sum(f.stat().st_size for f in d.rglob("*.safetensors"))
+    assert 0 < total <= 25 * 2**20
+
+
+def test_load_arguments_are_checked():
+    with pytest.raises(ValueError, match="name"):
+        zoo.load("no-such-pair")
+    with pytest.raises(TypeError, match="name"):
+        zoo.load(3)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return zoo.load(PAIR)
+
+
+@needs_pair
+def test_pair_sizes_and_cost(pair):
+    target, draft, tok = pair
+    n_target = sum(p.numel() for p in {id(p): p for p in target.parameters()}.values())
+    assert n_target >= 5_000_000
+    assert tok.vocab_size <= 8192
+    assert target.config.vocab_size == draft.config.vocab_size == tok.vocab_size
+    tc = json.loads((zoo.path(PAIR) / "target" / "config.json").read_text())
+    dc = json.loads((zoo.path(PAIR) / "draft" / "config.json").read_text())
+    for ctx in (1, 512, tc["max_position_embeddings"]):
+        assert ztrain.flops_per_token(dc, ctx) <= 0.25 * ztrain.flops_per_token(tc, ctx)
+
+
+@needs_pair
+def test_pair_predicts_python(pair):
+    # A trained pair: low loss on a stdlib-like snippet, and the draft agrees with the target
+    # on most greedy tokens (untrained models would sit near ln(8192) = 9 nats and ~0 agreement).
+    target, draft, tok = pair
+    text = (
+        "import os\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n"
+        "    for name in argv:\n        with open(name) as f:\n            print(f.read())\n"
+        "    return 0\n\n\nif __name__ == '__main__':\n    sys.exit(main())\n"
+    )
+    ids = torch.tensor([tok.encode(text, bos=True)])
+    with torch.no_grad():
+        t = target.forward_train(ids[:, :-1])
+        d = draft.forward_train(ids[:, :-1])
+    t_loss = torch.nn.functional.cross_entropy(t[0], ids[0, 1:]).item()
+    d_loss = torch.nn.functional.cross_entropy(d[0], ids[0, 1:]).item()
+    assert t_loss < 2.0 and d_loss < 3.0, (t_loss, d_loss)
+    assert (t.argmax(-1) == d.argmax(-1)).float().mean().item() > 0.5
+
+
+@needs_pair
+def test_target_loads_in_transformers_with_same_logits(pair):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    target, _, tok = pair
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(zoo.path(PAIR) / "target"), dtype=torch.float32
+    ).eval()
+    ids = torch.tensor([tok.encode("def add(a, b):\n    return a + b\n", bos=True)])
+    with torch.no_grad():
+        ours = target.forward_train(ids)
+        theirs = hf(ids).logits
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+@needs_pair
+def test_manifest_is_shipped_and_consistent():
+    m = json.loads((zoo.path(PAIR) / zcorpus.MANIFEST_NAME).read_text())
+    files = m["files"]
+    assert [f["path"] for f in files] == sorted(f["path"] for f in files)
+    assert m["num_files"] == len(files) > 100
+    h = zcorpus.Corpus(Path("."), tuple(zcorpus.CorpusFile(**f) for f in files)).combined_hash()
+    assert h == m["combined_sha256"]
+    assert all(zcorpus.is_heldout(f["path"]) == f["heldout"] for f in files)
+    assert not any(part in zcorpus.EXCLUDED_DIRS for f in files for part in f["path"].split("/"))
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    if HAVE_PAIR:
+        return zoo.load_tokenizer(PAIR)
+    pytest.skip("the pycode tokenizer is not installed")
+
+
+@needs_pair
+def test_tokenizer_round_trips_heldout_stdlib_files(tok):
+    c = zcorpus.Corpus.collect()
+    texts = list(c.texts(heldout=True))
+    assert texts, "no held-out files found in this interpreter's stdlib"
+    for text in texts:
+        ids = tok.encode(text)
+        assert max(ids) < tok.vocab_size
+        assert tok.decode(ids) == text
+
+
+@needs_pair
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_characters=SP_WHITESPACE, codec="utf-8")))
+def test_tokenizer_round_trips_any_text(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+@needs_pair
+def test_tokenizer_keeps_indentation_and_special_ids(tok):
+    code = "class A:\n\tdef f(self):\n        return  1  \n\n\n  # é ∑ 🐍\r\n"
+    assert tok.decode(tok.encode(code)) == code
+    ids = tok.encode(code, bos=True, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert len({tok.bos_id, tok.eos_id, tok.pad_id}) == 3
+    assert tok.decode(ids) == code  # specials are dropped
+    # Indentation runs are single tokens, not one token per space.
+    assert len(tok.encode("        return")) <= 2
+
+
+@needs_pair
+def test_tokenizer_validates(tok):
+    with pytest.raises(TypeError, match="text"):
+        tok.encode(b"bytes")
+    with pytest.raises(ValueError, match="text"):
+        tok.encode("a" + SP_WHITESPACE)
+    with pytest.raises(ValueError, match="ids"):
+        tok.decode([tok.vocab_size])
+    with pytest.raises(ValueError, match="ids"):
+        tok.decode([-1])
+    with pytest.raises(FileNotFoundError, match="model_path"):
+        Tokenizer("/nonexistent/tokenizer.model")
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def _fake_stdlib(root: Path) -> Path:
+    """A small tree shaped like a stdlib: real stdlib files under names in both splits."""
+    src = zcorpus.stdlib_root()
+    sources = [src / n for n in ("textwrap.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py")]
+    names, i = [], 0
+    while sum(zcorpus.is_heldout(n) for n in names) < 1 or len(names) < 8:
+        name = f"pkg{i % 3}/mod{i}.py"
+        if len(names) < 8 or zcorpus.is_heldout(name):
+            names.append(name)
+        i += 1
+    for j, name in enumerate(names):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(sources[j % len(sources)].read_bytes())
+    for skipped in ("site-packages/x.py", "test/test_x.py", "pkg0/tests/t.py", "pkg0/notes.txt"):
+        (root / skipped).parent.mkdir(parents=True, exist_ok=True)
+        (root / skipped).write_text("x = 1\n")
+    (root / "latin1.py").write_bytes(b"s = '\xe9'\n")  # not UTF-8: skipped
+    return root
+
+
+def test_corpus_collects_sorted_hashed_and_split(tmp_path):
+    root = _fake_stdlib(tmp_path)
+    c = zcorpus.Corpus.collect(root)
+    paths = [f.path for f in c.files]
+    assert paths == sorted(paths) and len(paths) >= 8
+    assert not any(p.startswith(("site-packages", "test/")) or "/tests/" in p for p in paths)
+    assert "latin1.py" not in paths
+    assert any(f.heldout for f in c.files) and not all(f.heldout for f in c.files)
+    m = c.manifest()
+    assert m["combined_sha256"] == zcorpus.Corpus.collect(root).combined_hash()
+    (root / paths[0]).write_text("changed = True\n")
+    assert zcorpus.Corpus.collect(root).combined_hash() != m["combined_sha256"]
+
+
+def test_heldout_split_depends_only_on_the_path():
+    names = [f"a/b{i}.py" for i in range(2000)]
+    frac = np.mean([zcorpus.is_heldout(n) for n in names])
+    assert 0.02 < frac < 0.09
+    assert [zcorpus.is_heldout(n) for n in names] == [zcorpus.is_heldout(n) for n in names]
+
+
+def test_sentencepiece_training_is_deterministic_and_lossless(tmp_path):
+    root = _fake_stdlib(tmp_path / "lib")
+    texts = list(zcorpus.Corpus.collect(root).texts())
+    train_sentencepiece(texts, tmp_path / "a.model", vocab_size=512)
+    train_sentencepiece(texts, tmp_path / "b.model", vocab_size=512)
+    assert (tmp_path / "a.model").read_bytes() == (tmp_path / "b.model").read_bytes()
+    t = Tokenizer(tmp_path / "a.model")
+    assert t.vocab_size == 512
+    unseen = "def ünïcode():\n\treturn '→ 🐍'  \n"
+    for text in texts + [unseen]:
+        assert t.decode(t.encode(text)) == text
+
+
+# ----------------------------------------------------------------------------- training command
+
+
+def _train_args(tmp_path: Path, run: str, *extra: str) -> list:
+    return [
+        "--model",
+        "tiny",
+        "--run-dir",
+        str(tmp_path / run),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--corpus-root",
+        str(tmp_path / "lib"),
+        "--steps",
+        "8",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--warmup",
+        "2",
+        "--log-every",
+        "2",
+        "--eval-every",
+        "4",
+        "--eval-windows",
+        "4",
+        "--lr",
+        "3e-3",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.slow
+def test_train_command_logs_checkpoints_and_resumes_exactly(tmp_path, keep_threads):
+    from safetensors.torch import load_file
+
+    _fake_stdlib(tmp_path / "lib")
+    # The command itself, as a user runs it.
+    cmd = [sys.executable, "-m", "specdecode.zoo.train", *_train_args(tmp_path, "full")]
+    full = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert full.returncode == 0, full.stderr
+    log = [json.loads(line) for line in (tmp_path / "full" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4, 6, 8]
+    assert all("train_loss" in r for r in log) and "heldout_loss" in log[-1]
+    assert log[-1]["train_loss"] < log[0]["train_loss"]
+    final = tmp_path / "full" / "final"
+    for name in ("config.json", "model.safetensors", "tokenizer.model", "corpus_manifest.json"):
+        assert (final / name).is_file(), name
+
+    # Interrupted at step 3 and resumed: the same weights and log as the uninterrupted run.
+    assert ztrain.main(_train_args(tmp_path, "part", "--stop-after", "3")) == 0
+    assert not (tmp_path / "part" / "final").exists()
+    with pytest.raises(SystemExit, match="--resume"):
+        ztrain.main(_train_args(tmp_path, "part"))
+    assert ztrain.main(_train_args(tmp_path, "part", "--resume")) == 0
+    a = load_file(str(final / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+    relog = [
+        json.loads(line) for line in (tmp_path / "part" / "log.jsonl").read_text().splitlines()
+    ]
+    for r, q in zip(log, relog):
+        assert r["step"] == q["step"] and r["train_loss"] == q["train_loss"]
+
+    # A resume with a changed schedule is refused, naming the argument.
+    with pytest.raises(SystemExit, match="--lr"):
+        ztrain.main(_train_args(tmp_path, "part", "--resume", "--lr", "1e-3"))
+
+    # Export: float16 copies of both models with the tokenizer, manifest and logs; they load.
+    from specdecode.zoo import export as zexport
+
+    out = tmp_path / "pair"
+    assert zexport.main(["--target", str(final), "--draft", str(final), "--out", str(out)]) == 0
+    for name in ("tokenizer.model", "corpus_manifest.json", "target_log.jsonl", "draft_log.jsonl"):
+        assert (out / name).is_file(), name
+    half = load_file(str(out / "target" / "model.safetensors"))
+    assert all(v.dtype == torch.float16 for v in half.values())
+    for k in half:
+        torch.testing.assert_close(half[k], a[k].half(), atol=0, rtol=0)
+
+    # Distillation from the trained model starts at the teacher's own weights: KL = 0.
+    dist = _train_args(
+        tmp_path, "dist", "--distill-from", str(final), "--init-from", str(final), "--steps", "2"
+    )
+    assert ztrain.main([*dist, "--log-every", "1"]) == 0
+    first = json.loads((tmp_path / "dist" / "log.jsonl").read_text().splitlines()[0])
+    assert first["train_loss"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_train_arguments_are_checked(capsys):
+    base = ["--model", "tiny", "--run-dir", "x"]
+    for extra in (["--steps", "0"], ["--distill-alpha", "2"], ["--seq-len", "4096"]):
+        with pytest.raises(SystemExit):
+            ztrain.parse_args(base + extra)
+        assert extra[0] in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ztrain.parse_args(["--model", "huge", "--run-dir", "x"])
+    assert "--model" in capsys.readouterr().err
+
+
+def test_lr_schedule_and_distill_loss():
+    args = ztrain.parse_args(
+        ["--model", "tiny", "--run-dir", "x", "--steps", "100", "--warmup", "10", "--seq-len", "8"]
+    )
+    lrs = [ztrain.lr_at(s, args) for s in range(100)]
+    assert lrs[0] == pytest.approx(args.lr / 10) and lrs[9] == pytest.approx(args.lr)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(args.min_lr, rel=0.01)
+    logits = torch.randn(2, 3, 7)
+    labels = torch.randint(0, 7, (2, 3))
+    assert ztrain.distill_loss(logits, logits, labels, 1.0, 2.0).item() == pytest.approx(
+        0, abs=1e-6
+    )
+    other = torch.randn(2, 3, 7)
+    assert ztrain.distill_loss(logits, other, labels, 1.0, 1.0).item() > 0
+    ce = ztrain.lm_loss(logits, labels).item()
+    assert ztrain.distill_loss(logits, logits, labels, 0.5, 1.0).item() == pytest.approx(ce / 2)
+
+
+def test_batches_depend_only_on_seed_and_step():
+    stream = torch.arange(1000)
+    a = ztrain.batch_at(stream, 7, 5, 4, 16)
+    assert torch.equal(a, ztrain.batch_at(stream, 7, 5, 4, 16))
+    assert not torch.equal(a, ztrain.batch_at(stream, 7, 6, 4, 16))
+    assert a.shape == (4, 17) and torch.equal(a[:, 1:] - a[:, :-1], torch.ones(4, 16).long())
+
+
+def test_flops_per_token_counts_lm_head_and_attention():
+    cfg = dict(
+        hidden_size=4,
+        intermediate_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=2,
+        num_hidden_layers=3,
+        vocab_size=10,
+    )
+    # q 4x4, k/v 4x2 each, o 4x4, mlp 3 x 4x8, attention 2 * 2 * 4 * ctx, head 4x10.
+    per_layer = 2 * (16 + 8 + 8 + 16 + 96) + 4 * 4 * 5
+    assert ztrain.flops_per_token(cfg, 5) == 3 * per_layer + 2 * 40
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def test_chain_accept_lengths_match_brute_force():
+    rng = random.Random(0)
+    for _ in range(200):
+        n, k = rng.randint(0, 12), rng.randint(1, 5)
+        match = np.array([rng.random() < 0.7 for _ in range(n)], dtype=bool)
+        got = zeval.chain_accept_lengths(match, k)
+        want = []
+        for t in range(n - k + 1):
+            a = 0
+            while a < k and match[t + a]:
+                a += 1
+            want.append(a)
+        assert got.tolist() == want
+        steps = zeval.simulate_steps(match, k)
+        assert sum(a + 1 for a in steps) <= n + 1
+        assert all(0 <= a <= k for a in steps)
+
+
+def test_cached_greedy_generation_matches_recomputation():
+    torch.manual_seed(0)
+    model = ztrain.build_model(ztrain.MODEL_PRESETS["tiny"]).eval()
+    ids = torch.randint(4, 512, (3, 7))
+    cached = zeval.greedy_generate(model, ids, 12)
+    full = zeval.greedy_generate(model, ids, 12, use_cache=False)
+    assert cached.shape == (3, 19) and torch.equal(cached, full)
+    assert torch.equal(cached[:, :7], ids)
+
+
+def test_chain_stats_of_a_model_against_itself_accept_everything():
+    torch.manual_seed(0)
+    model = ztrain.build_model(ztrain.MODEL_PRESETS["tiny"]).eval()
+    prompts = torch.randint(4, 512, (2, 5))
+    stats = zeval.chain_stats(model, model, prompts, 20, ks=(4,))
+    assert stats["4"]["mean_accepted"] == 4.0 and stats["greedy_agreement_on_target_text"] == 1.0
+
+    class Shifted(torch.nn.Module):
+        """Agrees with ``model`` except where its greedy token is even."""
+
+        def forward_train(self, ids):
+            logits = model.forward_train(ids)
+            top = logits.argmax(-1, keepdim=True)
+            bump = torch.zeros_like(logits).scatter_(-1, (top + 1) % 512, 1e3)
+            return logits + bump * (top % 2 == 0)
+
+    seqs = zeval.greedy_generate(model, prompts, 20)
+    want = (seqs[:, 5:] % 2 == 1).float().mean().item()
+    stats = zeval.chain_stats(model, Shifted(), prompts, 20, ks=(4,))
+    assert stats["greedy_agreement_on_target_text"] == pytest.approx(want)
+    assert stats["4"]["mean_accepted"] < 4.0
