@@ -10,6 +10,7 @@ import io
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +28,10 @@ requires_pycode = pytest.mark.skipif(
 PROMPT = "def add(a, b):\n    "
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 120, stdin: str = "") -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "specdecode", *args],
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -82,6 +84,15 @@ def tiny_dir(tmp_path_factory):
     return root / "target"
 
 
+def test_console_script_is_installed():
+    exe = shutil.which("specdecode", path=str(Path(sys.executable).parent))
+    assert exe is not None, "pip install . puts the specdecode command beside the interpreter"
+    res = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    for command in ("demo", "generate", "info"):
+        assert command in res.stdout
+
+
 # ---- demo ---------------------------------------------------------------------------------------
 
 
@@ -105,8 +116,8 @@ def test_demo_prints_code_table_and_identical():
     assert set(rows) == {
         "autoregressive",
         "Cacheback",
-        "draft model (chain, k=4)",
-        "draft model (tree, k=4)",
+        "draft model (chain, k=3)",
+        "draft model (tree, k=3)",
     }
     assert rows["autoregressive"][-1] == "1.00x"
     assert rows["autoregressive"][-2] == "1.00"  # one token per step without a drafter
@@ -205,7 +216,7 @@ def test_generate_honours_sampling_options(pair, capsys):
     want = generate(
         target,
         [ids],
-        drafter=ModelDrafter(draft, mode="chain", k=4),
+        drafter=ModelDrafter(draft, mode="chain", k=3),
         max_new_tokens=10,
         temperature=0.9,
         top_k=40,
@@ -220,7 +231,7 @@ def test_generate_honours_sampling_options(pair, capsys):
 
 @requires_pycode
 def test_generate_subprocess_streams_and_reports_stats():
-    res = run_cli("generate", PROMPT, "--max-new-tokens", "6", "--threads", "1")
+    res = run_cli("generate", "-", "--max-new-tokens", "6", stdin=PROMPT)  # prompt from stdin
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(PROMPT) and len(res.stdout) > len(PROMPT) + 1
     assert "[cacheback]" in res.stderr and "tokens/step" in res.stderr

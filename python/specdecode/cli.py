@@ -162,7 +162,11 @@ def _zoo_names() -> List[str]:
 
 
 def _looks_like_path(spec: str) -> bool:
-    return os.sep in spec or "/" in spec or spec.startswith(".") or Path(spec).exists()
+    # A zoo name wins over a same-named directory in the working directory ("./pycode" is the
+    # directory); anything with a separator, or an existing path that is no zoo name, is a path.
+    if os.sep in spec or "/" in spec or spec.startswith((".", "~")):
+        return True
+    return spec not in _zoo_names() and Path(spec).exists()
 
 
 def load_model(spec: str, option: str = "--model") -> LoadedModel:
@@ -537,7 +541,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(
         f"specdecode demo: zoo pair {args.model!r} (target {params(target)} parameters, draft "
         f"{params(draft)}), {len(prompts)} Python prompts, up to {args.max_new_tokens} new tokens "
-        f"each, greedy, batch 1, {threads} torch threads (loaded in {load_seconds:.1f}s)",
+        f"each, greedy, batch 1, {threads} torch thread{'s' if threads != 1 else ''} "
+        f"(loaded in {load_seconds:.1f}s)",
         flush=True,
     )
     # One short run per drafter first, so that no row of the table pays for first-call costs
@@ -630,7 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=len(DEMO_PROMPTS),
         help=f"how many of the {len(DEMO_PROMPTS)} demo prompts to run (default all)",
     )
-    p_demo.add_argument("-k", type=_positive_int, default=4, help="draft depth (default 4)")
+    p_demo.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
     p_demo.add_argument(
         "--threads", type=_positive_int, default=None, help="torch threads (default 1)"
     )
@@ -668,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--top-k", type=_nonnegative_int, default=0, help="0 = off (default)")
     p_gen.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = off (default)")
     p_gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default random)")
-    p_gen.add_argument("-k", type=_positive_int, default=4, help="draft depth (default 4)")
+    p_gen.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
     p_gen.add_argument(
         "--echo",
         action=argparse.BooleanOptionalAction,
