@@ -98,13 +98,14 @@ def test_console_script_is_installed():
 
 @requires_pycode
 def test_demo_prints_code_table_and_identical():
-    res = run_cli("demo", "--max-new-tokens", "8", "--prompts", "2", "--threads", "1")
+    res = run_cli("demo", "--max-new-tokens", "8", "--prompts", "2", "--repeats", "2")
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "Traceback" not in res.stderr
     assert cli.DEMO_PROMPTS[0].splitlines()[0] in out
     assert cli.DEMO_PROMPTS[1].splitlines()[0] in out
     assert cli.DEMO_PROMPTS[2].splitlines()[0] not in out  # --prompts 2
+    assert "best of 2 runs" in out.splitlines()[0]
     header = next(line for line in out.splitlines() if line.startswith("drafter"))
     for column in ("tokens/s", "tokens/step", "speedup"):
         assert column in header
@@ -295,6 +296,7 @@ def _one_clean_line(code: int, err: str) -> str:
         (["generate", "x", "--seed", "-3"], "--seed: expected an integer >= 0"),
         (["generate", "x", "-k", "0"], "-k: expected an integer >= 1"),
         (["demo", "--prompts", "99"], "--prompts: expected an integer in [1, 5]"),
+        (["demo", "--repeats", "0"], "--repeats: expected an integer >= 1"),
         (["demo", "--model", "nosuchpair"], "unknown zoo model 'nosuchpair'"),
         (["bogus"], "invalid choice: 'bogus'"),
     ],
