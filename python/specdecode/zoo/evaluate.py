@@ -192,8 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = Transformer.from_pretrained(str(args.target)).eval()
-    draft = Transformer.from_pretrained(str(args.draft)).eval()
+    target = Transformer.from_pretrained(str(args.target), dtype=torch.float32).eval()
+    draft = Transformer.from_pretrained(str(args.draft), dtype=torch.float32).eval()
     tok = Tokenizer(args.tokenizer)
     stream = np.load(args.heldout)
     windows = heldout_windows_all(stream, args.seq_len)[: args.max_windows]
