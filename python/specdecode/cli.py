@@ -405,7 +405,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         f"[{args.drafter}] {stats.summary()}\n"
         f"[{args.drafter}] finish: {out.finish_reasons[0]}; prompt {len(ids)} tokens; "
         f"accept rate by draft position: {accepted}; temperature {args.temperature}, "
-        f"top-k {args.top_k}, top-p {args.top_p}, seed {seed}, {threads} threads\n"
+        f"top-k {args.top_k}, top-p {args.top_p}, seed {seed}, {threads} torch "
+        f"thread{'s' if threads != 1 else ''}\n"
     )
     return 0
 
