@@ -1,18 +1,622 @@
-"""The ``specdecode`` command line."""
+"""The ``specdecode`` command line: ``demo``, ``generate`` and ``info``.
+
+* ``specdecode demo`` decodes a few Python prompts with the bundled ``pycode`` pair (target and
+  draft of :mod:`specdecode.zoo`) with every drafter, prints the generated code and a table of
+  tokens/s, tokens per step and speedup over autoregressive decoding, and checks that the greedy
+  output of every drafter is token for token the autoregressive one (exit code 1 if not).
+* ``specdecode generate PROMPT`` decodes one prompt with a zoo pair or a local Hugging Face model
+  directory and a chosen drafter, streaming text to stdout as tokens are accepted and printing
+  the statistics on stderr.
+* ``specdecode info`` reports the version, backends and devices.
+
+User errors (a missing model directory, an unknown zoo name or drafter, a prompt too long for the
+model, bad numeric options) print one line on stderr and exit with code 2, without a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
+import os
 import sys
-from typing import Sequence
+import time
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Sequence, TextIO
+
+# Exit codes: 0 success, 1 the demo found outputs that differ, 2 a user error.
+EXIT_MISMATCH = 1
+EXIT_USAGE = 2
+
+DRAFTERS = ("none", "cacheback", "model", "model-tree")
+
+# Stdlib-style function headers and docstrings: the kind of text the pycode pair was trained on,
+# and text whose continuations repeat identifiers, which is where drafting pays.
+DEMO_PROMPTS = (
+    'def read_config(path, encoding="utf-8"):\n'
+    '    """Read a configuration file and return a dict of its sections.\n\n'
+    "    Lines starting with '#' are comments and are ignored.\n"
+    '    """\n',
+    "def _is_valid_identifier(name):\n"
+    '    """Return True if *name* is a valid Python identifier that is not a keyword."""\n',
+    "class LRUCache:\n"
+    '    """A mapping that keeps at most *maxsize* items, dropping the least recently used."""\n\n'
+    "    def __init__(self, maxsize=128):\n",
+    "def split_path(path):\n"
+    '    """Split a pathname into a pair (head, tail) where tail is everything after the final\n'
+    '    slash. Either part may be empty."""\n',
+    "def parse_header_line(line):\n"
+    '    """Parse a header line of the form "Name: value" and return (name, value).\n\n'
+    "    Raise ValueError if the line has no colon.\n"
+    '    """\n',
+)
+
+
+class CLIError(Exception):
+    """A user error: reported as one line on stderr with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (argparse prints the whole usage block by default)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- numeric option types (argparse shows the ArgumentTypeError message after the option) --------
+
+
+def _int_at_least(minimum: int, what: str, maximum: Optional[int] = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1, "an integer >= 1")
+_nonnegative_int = _int_at_least(0, "an integer >= 0")
+
+
+def _seed(text: str) -> int:
+    value = _nonnegative_int(text)
+    if value >= 2**62:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**62), got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+# ---- models and tokenizers -----------------------------------------------------------------------
+
+
+class TextCodec:
+    """Text <-> token ids for the command line, over the zoo's or a transformers tokenizer.
+
+    Parameters
+    ----------
+    encode : callable ``str -> list of int``
+        Token ids of a prompt, with the begin-of-sequence token where the model expects one.
+    decode : callable ``list of int -> str``
+        Text of generated ids, special tokens dropped.
+    stop_ids : list of int
+        Tokens that end generation (end of sequence).
+    """
+
+    def __init__(
+        self,
+        encode: Callable[[str], List[int]],
+        decode: Callable[[Sequence[int]], str],
+        stop_ids: Sequence[int],
+    ) -> None:
+        self.encode = encode
+        self.decode = decode
+        self.stop_ids = sorted({int(t) for t in stop_ids})
+
+
+def _zoo_codec(tokenizer: Any) -> TextCodec:
+    # The zoo's models were trained on [bos] + file + [eos] streams, so prompts start with bos.
+    return TextCodec(
+        lambda text: tokenizer.encode(text, bos=True), tokenizer.decode, [tokenizer.eos_id]
+    )
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """What ``--model`` resolved to."""
+
+    name: str
+    target: Any
+    draft: Optional[Any]  # the zoo's bundled draft; None for a directory
+    codec: TextCodec
+
+
+def _zoo_names() -> List[str]:
+    from . import zoo
+
+    return sorted(zoo._PAIRS)
+
+
+def _looks_like_path(spec: str) -> bool:
+    # A zoo name wins over a same-named directory in the working directory ("./pycode" is the
+    # directory); anything with a separator, or an existing path that is no zoo name, is a path.
+    if os.sep in spec or "/" in spec or spec.startswith((".", "~")):
+        return True
+    return spec not in _zoo_names() and Path(spec).exists()
+
+
+def load_model(spec: str, option: str = "--model") -> LoadedModel:
+    """Resolve ``--model``: a zoo pair name or a local Hugging Face model directory.
+
+    Raises
+    ------
+    CLIError
+        An unknown zoo name, a missing or unreadable directory, or no usable tokenizer.
+    """
+    if not _looks_like_path(spec):
+        from . import zoo
+
+        names = _zoo_names()
+        if spec not in names:
+            raise CLIError(
+                f"{option}: unknown zoo model {spec!r} (known: {', '.join(names)}; "
+                "or give the path of a local Hugging Face model directory)"
+            )
+        try:
+            target, draft, tokenizer = zoo.load(spec)
+        except FileNotFoundError as exc:
+            raise CLIError(f"{option}: {exc}") from None
+        return LoadedModel(spec, target, draft, _zoo_codec(tokenizer))
+    directory = _check_model_dir(spec, option)
+    target = _load_dir(directory, option)
+    codec = _dir_codec(directory, option, target)
+    return LoadedModel(str(directory), target, None, codec)
+
+
+def _check_model_dir(spec: str, option: str) -> Path:
+    directory = Path(spec).expanduser()
+    if not directory.exists():
+        raise CLIError(f"{option}: model directory {spec} does not exist")
+    if not directory.is_dir():
+        raise CLIError(f"{option}: {spec} is not a directory")
+    if not (directory / "config.json").is_file():
+        raise CLIError(f"{option}: {spec} is not a Hugging Face model directory (no config.json)")
+    return directory
+
+
+def _load_dir(directory: Path, option: str) -> Any:
+    """Our :class:`~specdecode.models.Transformer` for Llama/Qwen2/Mistral configs, else the
+    transformers model behind :class:`~specdecode.models.HFCausalLM`; float32 on the CPU."""
+    import torch
+
+    from .models import HFCausalLM, Transformer
+    from .models.config import MODEL_TYPES
+
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"{option}: cannot read {directory / 'config.json'}: {exc}") from None
+    if not isinstance(config, dict):
+        raise CLIError(f"{option}: {directory / 'config.json'} does not hold a JSON object")
+    model_type = config.get("model_type")
+    try:
+        if model_type in MODEL_TYPES:
+            return Transformer.from_pretrained(directory, dtype=torch.float32).eval()
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise CLIError(
+                f"{option}: model_type {model_type!r} needs the transformers package "
+                f"(pip install transformers); without it only {', '.join(MODEL_TYPES)} load"
+            ) from None
+        return HFCausalLM.from_pretrained(directory, dtype=torch.float32)
+    except CLIError:
+        raise
+    except Exception as exc:  # loaders raise many types; the user needs the message only
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CLIError(f"{option}: cannot load the model in {directory}: {message}") from None
+
+
+def _dir_codec(directory: Path, option: str, target: Any) -> TextCodec:
+    """The tokenizer of a model directory: transformers' when the directory has one, else a zoo
+    ``tokenizer.model`` in the directory or its parent (the layout of a zoo pair)."""
+    eos = [int(t) for t in getattr(getattr(target, "config", None), "eos_token_ids", []) or []]
+    if (directory / "tokenizer_config.json").is_file() or (directory / "tokenizer.json").is_file():
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except Exception as exc:
+            raise CLIError(f"{option}: cannot load the tokenizer in {directory}: {exc}") from None
+        stops = eos + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+        return TextCodec(
+            lambda text: list(tok(text)["input_ids"]),
+            lambda ids: tok.decode(list(ids), skip_special_tokens=True),
+            stops,
+        )
+    from .zoo.tokenizer import Tokenizer
+
+    for candidate in (directory / "tokenizer.model", directory.parent / "tokenizer.model"):
+        if candidate.is_file():
+            try:
+                return _zoo_codec(Tokenizer(candidate))
+            except (ValueError, RuntimeError, OSError) as exc:
+                raise CLIError(f"{option}: cannot use the tokenizer {candidate}: {exc}") from None
+    raise CLIError(
+        f"{option}: no tokenizer in {directory} (expected tokenizer.json / tokenizer_config.json, "
+        "or a specdecode zoo tokenizer.model)"
+    )
+
+
+def make_drafter(kind: str, loaded: LoadedModel, draft_dir: Optional[str], k: int) -> Any:
+    """The drafter named by ``--drafter`` for one sequence.
+
+    Raises
+    ------
+    CLIError
+        An unknown drafter, or a model drafter with no draft model.
+    """
+    from .drafters import CachebackDrafter, ModelDrafter, NoDrafter
+
+    if kind not in DRAFTERS:
+        raise CLIError(f"--drafter: unknown drafter {kind!r} (choose from {', '.join(DRAFTERS)})")
+    if kind == "none":
+        return NoDrafter()
+    if kind == "cacheback":
+        return CachebackDrafter(max_sequences=1, chain=False)
+    draft = loaded.draft
+    if draft_dir is not None:
+        draft = _load_dir(_check_model_dir(draft_dir, "--draft-model"), "--draft-model")
+    if draft is None:
+        raise CLIError(
+            f"--drafter {kind}: needs --draft-model DIR (a small model with the target's "
+            "vocabulary) when --model is a directory"
+        )
+    if int(draft.vocab_size) != int(loaded.target.vocab_size):
+        raise CLIError(
+            f"--draft-model: its vocabulary has {draft.vocab_size} tokens, the target's "
+            f"{loaded.target.vocab_size}; draft and target must share one vocabulary"
+        )
+    if kind == "model":
+        return ModelDrafter(draft, mode="chain", k=k)
+    return ModelDrafter(draft, mode="tree", k=k, branch=2, beam=4, max_nodes=16)
+
+
+def _set_threads(threads: Optional[int], small_model: bool) -> int:
+    """Sets torch's intra-op threads: ``threads``, else 1 for the zoo's small models (their
+    matrices are too small to split, and OpenMP's spin-waiting makes extra threads ten times
+    slower on a machine whose cores are busy), else the cores up to 4."""
+    import torch
+
+    if threads is None:
+        threads = 1 if small_model else max(1, min(os.cpu_count() or 1, 4))
+    torch.set_num_threads(threads)
+    return threads
+
+
+# ---- generate ------------------------------------------------------------------------------------
+
+
+class Streamer:
+    """``on_step`` callback that writes the decoded text of one sequence as it grows.
+
+    Decoding the whole generated sequence each time (rather than each step's tokens alone)
+    keeps multi-token characters and tokenizers that merge across tokens right; text ending in
+    U+FFFD is an incomplete UTF-8 sequence and waits for its remaining bytes.
+    """
+
+    def __init__(self, codec: TextCodec, out: TextIO) -> None:
+        self.codec = codec
+        self.out = out
+        self.ids: List[int] = []
+        self.shown = 0
+
+    def __call__(self, row: int, new_tokens: List[int]) -> None:
+        self.ids.extend(new_tokens)
+        self._write(final=False)
+
+    def _write(self, final: bool) -> None:
+        text = self.codec.decode(self.ids)
+        if not final and text.endswith("\ufffd"):
+            return
+        if len(text) > self.shown:
+            self.out.write(text[self.shown :])
+            self.out.flush()
+            self.shown = len(text)
+
+    def finish(self) -> str:
+        """Writes what is still held back; returns the whole generated text."""
+        self._write(final=True)
+        return self.codec.decode(self.ids)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.drafter not in DRAFTERS:  # argparse checks choices; kept for direct callers
+        raise CLIError(f"--drafter: unknown drafter {args.drafter!r}")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
+    loaded = load_model(args.model)
+    try:
+        ids = loaded.codec.encode(prompt)
+    except (TypeError, ValueError) as exc:
+        raise CLIError(f"PROMPT: cannot be encoded: {exc}") from None
+    if not ids:
+        raise CLIError("PROMPT: encodes to no tokens; give some text")
+    limit = int(loaded.target.max_length)
+    if len(ids) + args.max_new_tokens > limit:
+        raise CLIError(
+            f"PROMPT: {len(ids)} tokens plus --max-new-tokens {args.max_new_tokens} exceed the "
+            f"model's max length of {limit} tokens; shorten the prompt or lower --max-new-tokens"
+        )
+    drafter = make_drafter(args.drafter, loaded, args.draft_model, args.k)
+
+    from .engine import generate
+
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(7), "little")
+    if args.echo:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+    streamer = Streamer(loaded.codec, sys.stdout)
+    try:
+        out = generate(
+            loaded.target,
+            [ids],
+            drafter=drafter,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=seed,
+            stop_token_ids=loaded.codec.stop_ids,
+            on_step=streamer,
+        )
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    streamer.finish()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    stats = out.stats
+    accepted = ", ".join(f"{a:.2f}" for a in stats.accepted_by_position) or "-"
+    sys.stderr.write(
+        f"[{args.drafter}] {stats.summary()}\n"
+        f"[{args.drafter}] finish: {out.finish_reasons[0]}; prompt {len(ids)} tokens; "
+        f"accept rate by draft position: {accepted}; temperature {args.temperature}, "
+        f"top-k {args.top_k}, top-p {args.top_p}, seed {seed}, {threads} torch "
+        f"thread{'s' if threads != 1 else ''}\n"
+    )
+    return 0
+
+
+# ---- demo ----------------------------------------------------------------------------------------
+
+
+class ProgressBar:
+    """A one-line progress bar on a stream (stderr), redrawn at most every 0.1 s."""
+
+    def __init__(self, total: int, label: str = "", stream: TextIO | None = None) -> None:
+        self.total = max(int(total), 1)
+        self.count = 0
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.start = time.perf_counter()
+        self._drawn = 0.0
+
+    def update(self, n: int, label: Optional[str] = None) -> None:
+        self.count = min(self.count + int(n), self.total)
+        if label is not None:
+            self.label = label
+        now = time.perf_counter()
+        if now - self._drawn >= 0.1 or self.count == self.total:
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        width = 24
+        filled = width * self.count // self.total
+        bar = "#" * filled + "." * (width - filled)
+        self.stream.write(
+            f"\r[{bar}] {self.count}/{self.total} tokens {now - self.start:5.1f}s {self.label:<28}"
+        )
+        self.stream.flush()
+        self._drawn = now
+
+    def close(self) -> None:
+        self._draw(time.perf_counter())
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+@dataclasses.dataclass
+class DemoRow:
+    """Totals of one drafter over the demo's prompts."""
+
+    name: str
+    new_tokens: int = 0
+    row_steps: int = 0
+    seconds: float = 0.0
+    outputs: List[List[int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.row_steps if self.row_steps else 0.0
+
+
+def find_mismatches(baseline: DemoRow, others: Sequence[DemoRow]) -> List[str]:
+    """One line per (drafter, prompt) whose output differs from the baseline's, naming the
+    first differing position; empty when every output is identical."""
+    lines = []
+    for row in others:
+        for i, (want, got) in enumerate(zip(baseline.outputs, row.outputs)):
+            if want == got:
+                continue
+            first = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
+            if first is None:
+                first = min(len(want), len(got))
+            lines.append(
+                f"{row.name}: prompt {i + 1} differs from autoregressive at new token {first} "
+                f"({len(got)} vs {len(want)} tokens)"
+            )
+        if len(row.outputs) != len(baseline.outputs):
+            lines.append(
+                f"{row.name}: {len(row.outputs)} outputs, expected {len(baseline.outputs)}"
+            )
+    return lines
+
+
+def format_table(rows: Sequence[DemoRow], baseline: DemoRow) -> str:
+    """The speedup table: tokens/s, tokens per step and speedup over ``baseline``."""
+    name_width = max(len("drafter"), *(len(r.name) for r in rows))
+    lines = [f"{'drafter':<{name_width}}  {'tokens/s':>9}  {'tokens/step':>11}  {'speedup':>7}"]
+    lines.append("-" * len(lines[0]))
+    base = baseline.tokens_per_second
+    for r in rows:
+        speedup = r.tokens_per_second / base if base > 0 else 0.0
+        lines.append(
+            f"{r.name:<{name_width}}  {r.tokens_per_second:>9.1f}  {r.tokens_per_step:>11.2f}  "
+            f"{speedup:>6.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .drafters import CachebackDrafter, ModelDrafter, NoDrafter
+    from .engine import generate
+
+    threads = _set_threads(args.threads, small_model=True)
+    names = _zoo_names()
+    if args.model not in names:
+        raise CLIError(f"--model: unknown zoo model {args.model!r} (known: {', '.join(names)})")
+    t_load = time.perf_counter()
+    loaded = load_model(args.model)
+    load_seconds = time.perf_counter() - t_load
+    target, draft, codec = loaded.target, loaded.draft, loaded.codec
+    texts = list(DEMO_PROMPTS[: args.prompts])
+    prompts = [codec.encode(t) for t in texts]
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_new_tokens > int(target.max_length):
+        raise CLIError(
+            f"--max-new-tokens: {args.max_new_tokens} plus the longest demo prompt ({longest} "
+            f"tokens) exceed the model's max length {target.max_length}"
+        )
+    k = args.k
+    drafters: List[tuple[str, Callable[[], Any]]] = [
+        ("autoregressive", lambda: NoDrafter()),
+        ("Cacheback", lambda: CachebackDrafter(max_sequences=1)),
+        (f"draft model (chain, k={k})", lambda: ModelDrafter(draft, mode="chain", k=k)),
+        (
+            f"draft model (tree, k={k})",
+            lambda: ModelDrafter(draft, mode="tree", k=k, branch=2, beam=4, max_nodes=16),
+        ),
+    ]
+
+    def params(model: Any) -> str:
+        return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
+
+    print(
+        f"specdecode demo: zoo pair {args.model!r} (target {params(target)} parameters, draft "
+        f"{params(draft)}), {len(prompts)} Python prompts, up to {args.max_new_tokens} new tokens "
+        f"each, greedy, batch 1, best of {args.repeats} runs, {threads} torch "
+        f"thread{'s' if threads != 1 else ''} (loaded in {load_seconds:.1f}s)",
+        flush=True,
+    )
+    # One short run per drafter first, so that no row of the table pays for first-call costs
+    # (lazy initialisation, allocator warm-up).
+    for _, make in drafters:
+        generate(target, [prompts[0]], drafter=make(), max_new_tokens=4, temperature=0.0)
+
+    rows = [DemoRow(name) for name, _ in drafters]
+    bar = ProgressBar(len(prompts) * len(drafters) * args.repeats * args.max_new_tokens)
+    done = 0
+    # Prompts outer, drafters inner: load from other processes then spreads over all drafters
+    # alike instead of landing on whichever runs during a busy moment.
+    # Each (prompt, drafter) counts its fastest of --repeats runs: on a shared machine a run
+    # can only be slowed down by other load, never sped up. Every repeat's output is checked.
+    mismatched_repeats = []
+    for i, ids in enumerate(prompts):
+        for row, (name, make) in zip(rows, drafters):
+            best = None
+            for rep in range(args.repeats):
+                bar.update(0, f"prompt {i + 1}/{len(prompts)}, {name}")
+                out = generate(
+                    target,
+                    [ids],
+                    drafter=make(),
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=0.0,
+                    stop_token_ids=codec.stop_ids,
+                    on_step=lambda _row, new: bar.update(len(new)),
+                )
+                if best is not None and out.sequences != best.sequences:
+                    mismatched_repeats.append(f"{name}: prompt {i + 1}, repeat {rep + 1}")
+                if best is None or out.stats.wall_time < best.stats.wall_time:
+                    best = out
+                done += args.max_new_tokens
+                # A run that stopped early (end of sequence) still fills its share of the bar.
+                bar.update(done - bar.count)
+            row.new_tokens += best.stats.new_tokens
+            row.row_steps += best.stats.row_steps
+            row.seconds += best.stats.wall_time
+            row.outputs.append(best.sequences[0])
+    bar.close()
+
+    for i, (text, out_ids) in enumerate(zip(texts, rows[0].outputs)):
+        print(f"\n--- prompt {i + 1} + generated code ---")
+        print(text + codec.decode(out_ids))
+    print()
+    print(format_table(rows, rows[0]))
+    print(
+        "draft model + Cacheback combined: not run; the engine takes one drafter per decoder "
+        "and has no combined drafter yet"
+    )
+    mismatches = find_mismatches(rows[0], rows[1:]) + [
+        f"{line} differs from the same drafter's other runs" for line in mismatched_repeats
+    ]
+    if mismatches:
+        print("greedy outputs are NOT the same as autoregressive:")
+        for line in mismatches:
+            print(f"  {line}")
+        return EXIT_MISMATCH
+    print(
+        f"greedy outputs of all {len(rows) - 1} drafters are identical to autoregressive "
+        f"({len(prompts)} prompts, {sum(len(o) for o in rows[0].outputs)} tokens each drafter)"
+    )
+    return 0
+
+
+# ---- info ----------------------------------------------------------------------------------------
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from ._info import format_info, info
 
     if args.json:
-        import json
-
         print(json.dumps(info(), indent=2))
     else:
         print(format_info())
@@ -26,11 +630,87 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="specdecode", description="Speculative decoding for PyTorch models."
-    )
+    parser = _Parser(prog="specdecode", description="Speculative decoding for PyTorch models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+
+    p_demo = sub.add_parser(
+        "demo",
+        help="decode Python prompts with the bundled pair and every drafter; speedup table",
+        description="Decodes a few Python prompts with the bundled target/draft pair, once per "
+        "drafter, prints the generated code and a table of tokens/s, tokens per step and speedup "
+        "over autoregressive decoding, and checks that every drafter's greedy output is "
+        "identical to the autoregressive one (exit code 1 if not).",
+    )
+    p_demo.add_argument("--model", default="pycode", help="zoo pair (default: pycode)")
+    p_demo.add_argument(
+        "--max-new-tokens", type=_positive_int, default=64, help="per prompt (default 64)"
+    )
+    p_demo.add_argument(
+        "--prompts",
+        type=_int_at_least(1, f"an integer in [1, {len(DEMO_PROMPTS)}]", len(DEMO_PROMPTS)),
+        default=len(DEMO_PROMPTS),
+        help=f"how many of the {len(DEMO_PROMPTS)} demo prompts to run (default all)",
+    )
+    p_demo.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=2,
+        help="runs per prompt and drafter; the fastest counts (default 2)",
+    )
+    p_demo.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
+    p_demo.add_argument(
+        "--threads", type=_positive_int, default=None, help="torch threads (default 1)"
+    )
+    p_demo.set_defaults(func=_cmd_demo)
+
+    p_gen = sub.add_parser(
+        "generate",
+        help="generate text from a prompt, streamed as tokens are accepted",
+        description="Generates a continuation of PROMPT with speculative decoding, writing the "
+        "text to stdout as tokens are accepted and the statistics to stderr.",
+    )
+    p_gen.add_argument("prompt", metavar="PROMPT", help="prompt text ('-' reads stdin)")
+    p_gen.add_argument(
+        "--model",
+        default="pycode",
+        help="a zoo pair name (default: pycode) or a local Hugging Face model directory",
+    )
+    p_gen.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default="cacheback",
+        help="none (autoregressive), cacheback (n-gram, default), model (draft model chain), "
+        "model-tree (draft model dynamic tree)",
+    )
+    p_gen.add_argument(
+        "--draft-model",
+        metavar="DIR",
+        default=None,
+        help="draft model directory for --drafter model/model-tree (default: the zoo pair's)",
+    )
+    p_gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="(default 128)")
+    p_gen.add_argument(
+        "--temperature", type=_temperature, default=0.0, help="0 = greedy (default 0)"
+    )
+    p_gen.add_argument("--top-k", type=_nonnegative_int, default=0, help="0 = off (default)")
+    p_gen.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = off (default)")
+    p_gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default random)")
+    p_gen.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
+    p_gen.add_argument(
+        "--echo",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="print the prompt before the generated text (default: yes)",
+    )
+    p_gen.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads (default: 1 for a zoo model, else the cores up to 4)",
+    )
+    p_gen.set_defaults(func=_cmd_generate)
+
     p_info = sub.add_parser("info", help="version, backends, CUDA devices, threads")
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p_info.set_defaults(func=_cmd_info)
@@ -43,9 +723,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit code (errors in ``argv`` exit with code 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except CLIError as exc:
+        sys.stderr.write(f"specdecode {args.command}: error: {exc}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
+        return 130
 
 
 if __name__ == "__main__":

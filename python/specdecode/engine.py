@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -309,6 +309,7 @@ class SpeculativeDecoder:
         top_p: Union[float, Sequence[float]] = 1.0,
         seed: Union[int, Sequence[int], None] = None,
         stop_token_ids: Optional[Iterable[int]] = None,
+        on_step: Optional[Callable[[int, list[int]], Any]] = None,
     ) -> GenerationOutput:
         """Generates up to ``max_new_tokens`` tokens after each prompt.
 
@@ -327,6 +328,12 @@ class SpeculativeDecoder:
             random seed.
         stop_token_ids : iterable of int, optional
             Tokens (e.g. EOS) that end a sequence; the stop token is part of the output.
+        on_step : callable ``(row, new_tokens)``, optional
+            Called after every step, in row order, for each sequence that committed tokens in it:
+            ``row`` is the prompt's index, ``new_tokens`` (list of int) what it just committed
+            (already cut at a stop token or the token budget), so that streaming the calls of
+            one row gives exactly its ``sequences`` entry. Its return value is ignored; an
+            exception it raises stops generation and propagates.
 
         Returns
         -------
@@ -352,6 +359,8 @@ class SpeculativeDecoder:
             raise ValueError(f"top_k: expected values >= 0, got {top_ks}")
         if any(not 0 < p <= 1 for p in top_ps):
             raise ValueError(f"top_p: expected values in (0, 1], got {top_ps}")
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step: expected a callable (row, new_tokens), got {on_step!r}")
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)))
         if isinstance(seed, (list, tuple, np.ndarray, torch.Tensor)):
@@ -382,7 +391,7 @@ class SpeculativeDecoder:
             stats.prefill_time = time.perf_counter() - t0
             bar = _Progress(batch * max_new_tokens) if self.progress else None
             while state.active:
-                self._step(state, cache, stops, stats, bar)
+                self._step(state, cache, stops, stats, bar, on_step)
             if bar is not None:
                 bar.close()
         finally:
@@ -414,7 +423,13 @@ class SpeculativeDecoder:
         return cache
 
     def _step(
-        self, state: _Batch, cache: Any, stops: set[int], stats: GenerationStats, bar: Any
+        self,
+        state: _Batch,
+        cache: Any,
+        stops: set[int],
+        stats: GenerationStats,
+        bar: Any,
+        on_step: Optional[Callable[[int, list[int]], Any]] = None,
     ) -> None:
         active = state.active
         t0 = time.perf_counter()
@@ -440,6 +455,11 @@ class SpeculativeDecoder:
         stats.bookkeeping_time += t3 - t2
         if bar is not None:
             bar.update(sum(len(c) for c in committed))
+        if on_step is not None:
+            # After the statistics, so that a callback that raises leaves them consistent.
+            for b, row in zip(active, committed):
+                if row:
+                    on_step(b, list(row))
 
     def _draft(self, state: _Batch, cache: Any, active: list[int]) -> _Tree:
         """The drafter's trees for the running rows, root-only trees for the finished ones,
@@ -668,6 +688,7 @@ def generate(
     method: str = "exact",
     max_nodes: int = 64,
     progress: bool = False,
+    on_step: Optional[Callable[[int, list[int]], Any]] = None,
 ) -> GenerationOutput:
     """Generates with speculative decoding in one call (see :class:`SpeculativeDecoder`).
 
@@ -679,7 +700,7 @@ def generate(
         The prompts (token ids).
     drafter : Drafter, optional
         Default :class:`~specdecode.drafters.NoDrafter` (plain decoding).
-    max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids
+    max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, on_step
         As in :meth:`SpeculativeDecoder.generate`.
     method, max_nodes, progress
         As in :class:`SpeculativeDecoder`.
@@ -700,4 +721,5 @@ def generate(
         top_p=top_p,
         seed=seed,
         stop_token_ids=stop_token_ids,
+        on_step=on_step,
     )

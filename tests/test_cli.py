@@ -1,0 +1,425 @@
+"""The ``specdecode`` command line (demo, generate, errors) and the engine's ``on_step`` hook.
+
+Subprocess tests run the installed entry point the way a user does; the option checks run
+``cli.main`` in-process (each subprocess pays for importing torch).
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from specdecode.drafters import CachebackDrafter, ModelDrafter, NoDrafter
+from specdecode.engine import generate
+from specdecode.models import Transformer
+from specdecode.models.config import ModelConfig
+
+from specdecode import cli, zoo
+
+HAVE_PYCODE = "pycode" in zoo.available()
+requires_pycode = pytest.mark.skipif(
+    not HAVE_PYCODE, reason="the zoo's pycode weights are not in this installation"
+)
+PROMPT = "def add(a, b):\n    "
+
+
+def run_cli(*args: str, timeout: float = 120, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specdecode", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_main(argv, capsys) -> tuple[int, str, str]:
+    """``cli.main`` in-process; argparse's SystemExit becomes the exit code."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny models: threads only add overhead on the shared machine, results do not depend on it.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return zoo.load("pycode")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A random Llama-style model in the Hugging Face layout with the zoo's tokenizer beside it."""
+    tok = zoo.load_tokenizer("pycode")
+    root = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        eos_token_id=tok.eos_id,
+        bos_token_id=tok.bos_id,
+    )
+    Transformer(config).save_pretrained(str(root / "target"))
+    shutil.copyfile(tok.model_path, root / "tokenizer.model")
+    return root / "target"
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("specdecode", path=str(Path(sys.executable).parent))
+    assert exe is not None, "pip install . puts the specdecode command beside the interpreter"
+    res = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    for command in ("demo", "generate", "info"):
+        assert command in res.stdout
+
+
+# ---- demo ---------------------------------------------------------------------------------------
+
+
+@requires_pycode
+def test_demo_prints_code_table_and_identical():
+    res = run_cli("demo", "--max-new-tokens", "8", "--prompts", "2", "--repeats", "2")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "Traceback" not in res.stderr
+    assert cli.DEMO_PROMPTS[0].splitlines()[0] in out
+    assert cli.DEMO_PROMPTS[1].splitlines()[0] in out
+    assert cli.DEMO_PROMPTS[2].splitlines()[0] not in out  # --prompts 2
+    assert "best of 2 runs" in out.splitlines()[0]
+    header = next(line for line in out.splitlines() if line.startswith("drafter"))
+    for column in ("tokens/s", "tokens/step", "speedup"):
+        assert column in header
+    rows = {
+        line.split("  ")[0].strip(): line.split()
+        for line in out.splitlines()
+        if line.startswith(("autoregressive", "Cacheback", "draft model ("))
+    }
+    assert set(rows) == {
+        "autoregressive",
+        "Cacheback",
+        "draft model (chain, k=3)",
+        "draft model (tree, k=3)",
+    }
+    assert rows["autoregressive"][-1] == "1.00x"
+    assert rows["autoregressive"][-2] == "1.00"  # one token per step without a drafter
+    for cells in rows.values():
+        assert float(cells[-3]) > 0 and float(cells[-2]) >= 1.0
+    assert "combined: not run" in out
+    assert "drafters are identical to autoregressive" in out
+    assert "tokens" in res.stderr  # the progress bar
+
+
+def test_find_mismatches_names_drafter_prompt_and_position():
+    base = cli.DemoRow("autoregressive", outputs=[[1, 2, 3], [4, 5]])
+    same = cli.DemoRow("Cacheback", outputs=[[1, 2, 3], [4, 5]])
+    other = cli.DemoRow("draft", outputs=[[1, 2, 3], [4, 9]])
+    shorter = cli.DemoRow("short", outputs=[[1, 2], [4, 5]])
+    assert cli.find_mismatches(base, [same]) == []
+    lines = cli.find_mismatches(base, [same, other, shorter])
+    assert len(lines) == 2
+    assert lines[0].startswith("draft: prompt 2") and "new token 1" in lines[0]
+    assert lines[1].startswith("short: prompt 1") and "new token 2" in lines[1]
+
+
+def test_format_table_speedup_is_relative_to_baseline():
+    base = cli.DemoRow("autoregressive", new_tokens=100, row_steps=100, seconds=2.0)
+    fast = cli.DemoRow("Cacheback", new_tokens=100, row_steps=40, seconds=0.5)
+    table = cli.format_table([base, fast], base).splitlines()
+    assert table[2].split()[-3:] == ["50.0", "1.00", "1.00x"]
+    assert table[3].split()[-3:] == ["200.0", "2.50", "4.00x"]
+
+
+def test_progress_bar_counts_and_clamps():
+    stream = io.StringIO()
+    bar = cli.ProgressBar(10, stream=stream)
+    bar.update(4, "x")
+    bar.update(20)
+    bar.close()
+    text = stream.getvalue()
+    assert "10/10 tokens" in text and text.endswith("\n")
+    assert bar.count == 10
+
+
+# ---- generate -----------------------------------------------------------------------------------
+
+
+class _Recorder(io.StringIO):
+    """stdout that records each write, to see the text arrive in pieces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.chunks.append(s)
+        return super().write(s)
+
+
+@requires_pycode
+def test_generate_streams_the_engines_output(pair, monkeypatch, capsys):
+    target, _, tok = pair
+    rec = _Recorder()
+    monkeypatch.setattr(sys, "stdout", rec)
+    argv = ["generate", PROMPT, "--drafter", "none", "--max-new-tokens", "12", "--threads", "1"]
+    assert cli.main(argv) == 0
+    ids = tok.encode(PROMPT, bos=True)
+    want = generate(target, [ids], max_new_tokens=12, stop_token_ids=[tok.eos_id])
+    text = tok.decode(want.sequences[0])
+    assert rec.getvalue() == PROMPT + text + "\n"
+    # Prompt, then one write per step that completed characters (12 steps without a drafter).
+    pieces = [c for c in rec.chunks[1:-1] if c]
+    assert len(pieces) >= 4 and "".join(pieces) == text
+    err = capsys.readouterr().err
+    assert f"{len(want.sequences[0])} tokens in" in err and "[none]" in err
+
+
+@requires_pycode
+@pytest.mark.parametrize("drafter", ["cacheback", "model", "model-tree"])
+def test_generate_greedy_is_the_same_with_every_drafter(drafter, capsys):
+    base = ["generate", PROMPT, "--max-new-tokens", "10", "--threads", "1", "--no-echo"]
+    code, want, _ = run_main(base + ["--drafter", "none"], capsys)
+    assert code == 0
+    code, got, err = run_main(base + ["--drafter", drafter, "-k", "3"], capsys)
+    assert code == 0, err
+    assert got == want and want.strip()
+    assert f"[{drafter}]" in err
+
+
+@requires_pycode
+def test_generate_honours_sampling_options(pair, capsys):
+    target, draft, tok = pair
+    opts = ["--temperature", "0.9", "--top-k", "40", "--top-p", "0.9", "--seed", "7"]
+    argv = ["generate", PROMPT, "--drafter", "model", "--max-new-tokens", "10", "--no-echo"]
+    code, out, err = run_main(argv + opts + ["--threads", "1"], capsys)
+    assert code == 0, err
+    assert "seed 7" in err and "temperature 0.9" in err and "top-k 40" in err
+    ids = tok.encode(PROMPT, bos=True)
+    want = generate(
+        target,
+        [ids],
+        drafter=ModelDrafter(draft, mode="chain", k=3),
+        max_new_tokens=10,
+        temperature=0.9,
+        top_k=40,
+        top_p=0.9,
+        seed=7,
+        stop_token_ids=[tok.eos_id],
+    )
+    assert out == tok.decode(want.sequences[0]) + "\n"
+    code, again, _ = run_main(argv + opts, capsys)
+    assert again == out
+
+
+@requires_pycode
+def test_generate_subprocess_streams_and_reports_stats():
+    res = run_cli("generate", "-", "--max-new-tokens", "6", stdin=PROMPT)  # prompt from stdin
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(PROMPT) and len(res.stdout) > len(PROMPT) + 1
+    assert "[cacheback]" in res.stderr and "tokens/step" in res.stderr
+
+
+@requires_pycode
+def test_generate_local_directory_with_draft_model(tiny_dir, capsys):
+    base = ["generate", PROMPT, "--model", str(tiny_dir), "--max-new-tokens", "8", "--no-echo"]
+    code, want, err = run_main(base + ["--drafter", "none"], capsys)
+    assert code == 0, err
+    # The target as its own draft: every draft token is accepted (k + 1 tokens per step).
+    code, got, err = run_main(base + ["--drafter", "model", "--draft-model", str(tiny_dir)], capsys)
+    assert code == 0, err
+    assert got == want
+    assert "(8 tokens/step" not in err and "2 steps" in err
+
+
+@requires_pycode
+def test_generate_transformers_model_directory(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    tok = zoo.load_tokenizer("pycode")
+    config = transformers.GPT2Config(
+        vocab_size=tok.vocab_size, n_positions=128, n_embd=32, n_layer=1, n_head=2
+    )
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(str(tmp_path))
+    shutil.copyfile(tok.model_path, tmp_path / "tokenizer.model")
+    argv = ["generate", PROMPT, "--model", str(tmp_path), "--max-new-tokens", "5", "--no-echo"]
+    code, out, err = run_main(argv + ["--drafter", "none"], capsys)
+    assert code == 0, err
+    assert "5 tokens in 5 steps" in err
+    code, out2, err = run_main(argv + ["--drafter", "cacheback"], capsys)
+    assert code == 0, err
+    assert out2 == out
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def _one_clean_line(code: int, err: str) -> str:
+    assert code == cli.EXIT_USAGE
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["generate", "x", "--model", "/no/such/model/dir"], "does not exist"),
+        (["generate", "x", "--model", "nosuchpair"], "unknown zoo model 'nosuchpair'"),
+        (["generate", "x", "--drafter", "magic"], "--drafter: invalid choice: 'magic'"),
+        (["generate", "x", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1"),
+        (["generate", "x", "--max-new-tokens", "ten"], "--max-new-tokens: expected an integer"),
+        (["generate", "x", "--temperature", "-1"], "--temperature: expected a finite number"),
+        (["generate", "x", "--temperature", "nan"], "--temperature: expected a finite number"),
+        (["generate", "x", "--top-p", "0"], "--top-p: expected a number in (0, 1]"),
+        (["generate", "x", "--top-p", "1.5"], "--top-p: expected a number in (0, 1]"),
+        (["generate", "x", "--top-k", "-2"], "--top-k: expected an integer >= 0"),
+        (["generate", "x", "--seed", "-3"], "--seed: expected an integer >= 0"),
+        (["generate", "x", "-k", "0"], "-k: expected an integer >= 1"),
+        (["demo", "--prompts", "99"], "--prompts: expected an integer in [1, 5]"),
+        (["demo", "--repeats", "0"], "--repeats: expected an integer >= 1"),
+        (["demo", "--model", "nosuchpair"], "unknown zoo model 'nosuchpair'"),
+        (["bogus"], "invalid choice: 'bogus'"),
+    ],
+)
+def test_bad_arguments_fail_with_one_line(argv, expected, capsys):
+    code, out, err = run_main(argv, capsys)
+    line = _one_clean_line(code, err)
+    assert expected in line, line
+
+
+@requires_pycode
+def test_directory_errors(tiny_dir, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_main(["generate", "x", "--model", str(tmp_path / "empty")], capsys)
+    assert "no config.json" in _one_clean_line(code, err)
+    argv = ["generate", "x", "--model", str(tiny_dir), "--drafter", "model"]
+    code, _, err = run_main(argv, capsys)
+    assert "needs --draft-model DIR" in _one_clean_line(code, err)
+    code, _, err = run_main(argv + ["--draft-model", str(tmp_path / "nope")], capsys)
+    assert "--draft-model: model directory" in _one_clean_line(code, err)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    code, _, err = run_main(["generate", "x", "--model", str(tmp_path / "broken")], capsys)
+    assert "cannot read" in _one_clean_line(code, err)
+    (tmp_path / "noweights").mkdir()
+    shutil.copyfile(tiny_dir / "config.json", tmp_path / "noweights" / "config.json")
+    code, _, err = run_main(["generate", "x", "--model", str(tmp_path / "noweights")], capsys)
+    assert "cannot load the model" in _one_clean_line(code, err)
+
+
+@requires_pycode
+def test_prompt_too_long(tiny_dir, capsys):
+    long_prompt = "x = 1\n" * 400  # far beyond the tiny model's 256 positions
+    code, out, err = run_main(["generate", long_prompt, "--model", str(tiny_dir)], capsys)
+    line = _one_clean_line(code, err)
+    assert "PROMPT:" in line and "max length of 256 tokens" in line
+    assert out == ""  # nothing was generated or echoed
+    argv = ["generate", "x", "--model", str(tiny_dir), "--max-new-tokens", "300"]
+    code, _, err = run_main(argv, capsys)
+    assert "exceed the model's max length" in _one_clean_line(code, err)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--model", "/no/such/model/dir"], "does not exist"),
+        (["--drafter", "magic"], "invalid choice"),
+        (["--max-new-tokens", "-5"], "expected an integer >= 1"),
+    ],
+)
+def test_subprocess_errors_exit_2_without_traceback(args, expected):
+    res = run_cli("generate", "def f():", *args)
+    line = _one_clean_line(res.returncode, res.stderr)
+    assert expected in line and line.startswith("specdecode generate: error:")
+    assert res.stdout == ""
+
+
+@requires_pycode
+def test_subprocess_prompt_too_long():
+    res = run_cli("generate", "x = 1\n" * 700, "--max-new-tokens", "4")
+    line = _one_clean_line(res.returncode, res.stderr)
+    assert "exceed the model's max length" in line
+
+
+@requires_pycode
+def test_streamer_holds_back_incomplete_characters(capsys):
+    tok = zoo.load_tokenizer("pycode")
+    codec = cli.TextCodec(lambda t: tok.encode(t), tok.decode, [tok.eos_id])
+    text = 'name = "caf\u00e9 \u2713 \U0001f40d"\n'
+    out = io.StringIO()
+    streamer = cli.Streamer(codec, out)
+    for t in tok.encode(text):
+        streamer(0, [t])
+        assert "\ufffd" not in out.getvalue()
+        assert text.startswith(out.getvalue())
+    assert streamer.finish() == text and out.getvalue() == text
+
+
+# ---- engine hook --------------------------------------------------------------------------------
+
+
+def _tiny_target(seed: int = 0, vocab: int = 11) -> Transformer:
+    torch.manual_seed(seed)
+    config = ModelConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    return Transformer(config).eval()
+
+
+@pytest.mark.parametrize("make", [NoDrafter, lambda: CachebackDrafter(max_sequences=4)])
+def test_on_step_calls_rebuild_the_sequences(make):
+    target = _tiny_target()
+    prompts = [[1, 2, 3], [4], [5, 6, 5, 6, 5]]
+    calls: list[tuple[int, list[int]]] = []
+    out = generate(
+        target,
+        prompts,
+        drafter=make(),
+        max_new_tokens=9,
+        stop_token_ids=[7],
+        on_step=lambda row, new: calls.append((row, new)),
+    )
+    rebuilt: list[list[int]] = [[] for _ in prompts]
+    for row, new in calls:
+        assert new, "on_step is called only for rows that committed tokens"
+        rebuilt[row].extend(new)
+    assert rebuilt == out.sequences
+    assert len(calls) >= out.stats.steps  # at least one row commits in every step
+
+
+def test_on_step_errors():
+    target = _tiny_target()
+    with pytest.raises(TypeError, match="on_step"):
+        generate(target, [[1]], max_new_tokens=2, on_step=3)
+
+    def stop(row, new):
+        raise KeyError("stop here")
+
+    with pytest.raises(KeyError, match="stop here"):
+        generate(target, [[1]], max_new_tokens=4, on_step=stop)
