@@ -66,6 +66,23 @@ def check_tree_mask(tree_mask: Optional[Any], batch: int, t: int, device: torch.
         raise ValueError(f"tree_mask: expected device {device}, got {tree_mask.device}")
 
 
+def check_compact_args(
+    path: Any, num_accepted: Any, batch: int, device: Optional[torch.device] = None
+) -> None:
+    """Types, dtypes, device and shapes of a cache's ``compact(path, num_accepted)`` arguments."""
+    for name, x in (("path", path), ("num_accepted", num_accepted)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.int32:
+            raise TypeError(f"{name}: expected int32, got {x.dtype}")
+        if device is not None and x.device != device:
+            raise ValueError(f"{name}: expected device {device}, got {x.device}")
+    if path.dim() != 2 or path.shape[0] != batch:
+        raise ValueError(f"path: expected shape [{batch}, P], got {list(path.shape)}")
+    if tuple(num_accepted.shape) != (batch,):
+        raise ValueError(f"num_accepted: expected shape [{batch}], got {list(num_accepted.shape)}")
+
+
 def check_hidden_indices(output_hidden: Optional[Sequence[int]], num_layers: int) -> list[int]:
     """Normalises hidden-state indices to ``0..L`` (negative ones count from ``L + 1``)."""
     if output_hidden is None:

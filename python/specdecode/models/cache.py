@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .. import ops
-from ._checks import as_lengths, check_positive_int
+from ._checks import as_lengths, check_compact_args, check_positive_int
 
 
 class KVCache:
@@ -161,20 +161,8 @@ class KVCache:
                 "compact: no tree to compact; call it once right after the forward pass that "
                 "scored the tree"
             )
-        for name, x in (("path", path), ("num_accepted", num_accepted)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-            if x.dtype != torch.int32:
-                raise TypeError(f"{name}: expected int32, got {x.dtype}")
-            if x.device != self.device:
-                raise ValueError(f"{name}: expected device {self.device}, got {x.device}")
         batch = self.batch_size
-        if path.dim() != 2 or path.shape[0] != batch:
-            raise ValueError(f"path: expected shape [{batch}, P], got {list(path.shape)}")
-        if tuple(num_accepted.shape) != (batch,):
-            raise ValueError(
-                f"num_accepted: expected shape [{batch}], got {list(num_accepted.shape)}"
-            )
+        check_compact_args(path, num_accepted, batch, self.device)
         counts = num_accepted.to("cpu", torch.int64)
         width = path.shape[1]
         if bool((counts < 0).any()) or bool((counts > width).any()):

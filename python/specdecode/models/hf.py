@@ -26,6 +26,7 @@ import torch
 
 from ._checks import (
     as_lengths,
+    check_compact_args,
     check_hidden_indices,
     check_positive_int,
     check_tokens,
@@ -123,18 +124,8 @@ class HFCache:
                 "scored the tree"
             )
         start_slot, t, start = self._tree
-        for name, x in (("path", path), ("num_accepted", num_accepted)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-            if x.dtype != torch.int32:
-                raise TypeError(f"{name}: expected int32, got {x.dtype}")
         batch = self.batch_size
-        if path.dim() != 2 or path.shape[0] != batch:
-            raise ValueError(f"path: expected shape [{batch}, P], got {list(path.shape)}")
-        if tuple(num_accepted.shape) != (batch,):
-            raise ValueError(
-                f"num_accepted: expected shape [{batch}], got {list(num_accepted.shape)}"
-            )
+        check_compact_args(path, num_accepted, batch)
         path = path.to("cpu", torch.int64)
         counts = num_accepted.to("cpu", torch.int64)
         width = path.shape[1]
