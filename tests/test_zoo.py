@@ -116,7 +116,10 @@ def test_manifest_is_shipped_and_consistent():
 def tok():
     if HAVE_PAIR:
         return zoo.load_tokenizer(PAIR)
-    pytest.skip("the pycode tokenizer is not installed")
+    pytest.skip(
+        reason="the pycode tokenizer is not installed "
+        "(test_pair_is_installed_with_the_package fails then)"
+    )
 
 
 @needs_pair
