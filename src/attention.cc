@@ -40,6 +40,10 @@ namespace {
 constexpr int kBlock = 64;            // keys per block: 4 vectors of 16 floats
 constexpr int64_t kSplitKeys = 2048;  // prefix keys per work item (a multiple of kBlock)
 constexpr int kRowTile = 8;           // query rows per register tile
+// The streaming prefix path (AVX-512, at most kStreamRows query rows per KV head): keys per
+// block. Scores of a block are one 16-lane vector per query row.
+constexpr int kStreamKeys = 16;
+constexpr int kStreamRows = 8;
 
 // ---- element access ------------------------------------------------------------------------
 
@@ -132,6 +136,7 @@ SD_FORCE_INLINE void generic_pv(const float* p, int rows, int n, const typename 
 }
 
 struct GenericKernels {
+  static constexpr bool kStream = false;  // no stream_scores: prefix blocks use the tiles
   template <AttnDType DT>
   static void load_kt(const typename Elem<DT>::T* k, int64_t rs, int n, int d, float* kt) {
     generic_load_kt<DT>(k, rs, n, d, kt);
@@ -164,6 +169,7 @@ struct GenericKernels {
 
 // The portable bodies again, vectorised by the compiler for AVX2 + FMA.
 struct Avx2Kernels {
+  static constexpr bool kStream = false;
   template <AttnDType DT>
   SD_TARGET_AVX2 static void load_kt(const typename Elem<DT>::T* k, int64_t rs, int n, int d,
                                      float* kt) {
@@ -322,7 +328,117 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void pv_rows(const float* p, int n, const typen
   }
 }
 
+// ---- streaming prefix scores (few query rows per KV head) ----------------------------------
+// With at most kStreamRows query rows per KV head the work per key is small and the kernel is
+// bound by how fast the cache can be read. The cache [S, Hkv, D] is then read in address order
+// (key-major, every KV head of a key before the next key), the order the hardware prefetchers
+// follow; the tile path above reads each head's keys Hkv * D elements apart instead, one new
+// 4 KiB page per key, which measured about half the read bandwidth of a linear pass. Scores are
+// per-key dot products: one 16-lane partial vector per (query row, key), summed across lanes for
+// 16 keys at once by reduce16, so no key is ever transposed.
+
+// y[j] = sum of the 16 lanes of x[16 j .. 16 j + 16) for j < 16 (x: 16 vectors, 64-byte aligned).
+SD_TARGET_AVX512 SD_FORCE_INLINE __m512 reduce16(const float* x) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x0 = _mm512_load_ps(x + 32 * i), x1 = _mm512_load_ps(x + 32 * i + 16);
+    // Per 128-bit lane L: (x0[0] + x0[2], x1[0] + x1[2], x0[1] + x0[3], x1[1] + x1[3]).
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x0, x1), _mm512_unpackhi_ps(x0, x1));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo =
+        _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+    const __m512d hi =
+        _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+    // Per 128-bit lane L: the lane-L sums of vectors 4 i .. 4 i + 3.
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // Sum the four 128-bit lanes: lane g of the result gathers vectors 4 g .. 4 g + 3.
+  const __m512 d01 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 d23 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+// Sums part rows [hr][16 keys][16 lanes] into s[hr * kBlock + j] (times mult); key slots >= n
+// are zeroed first, so every lane summed is initialised.
+SD_TARGET_AVX512 SD_FORCE_INLINE void stream_reduce(float* part, int hr, int n, float mult,
+                                                    float* s) {
+  const __m512 m = _mm512_set1_ps(mult);
+  for (int i = 0; i < hr; ++i) {
+    float* x = part + i * kStreamKeys * 16;
+    for (int j = n; j < kStreamKeys; ++j) _mm512_store_ps(x + 16 * j, _mm512_setzero_ps());
+    _mm512_store_ps(s + i * kBlock, _mm512_mul_ps(reduce16(x), m));
+  }
+}
+
+// Hints the lines of one value row, read in the same key-major order a little later.
+SD_FORCE_INLINE void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+// Partial score vectors of keys [0, n) of a block for every query row of `heads` KV heads; fp32
+// query rows (pre-scaled) against fp32 / fp16 keys converted in registers. D = head dim.
+template <int D, AttnDType DT>
+SD_TARGET_AVX512 void stream_partials_f32(const float* q, int heads, int rows,
+                                          const typename Elem<DT>::T* k,
+                                          const typename Elem<DT>::T* v, int64_t rs, int64_t hs,
+                                          int n, float* part) {
+  constexpr int CV = D / 16;
+  for (int j = 0; j < n; ++j) {
+    for (int h = 0; h < heads; ++h) {
+      const typename Elem<DT>::T* kr = k + j * rs + h * hs;
+      prefetch_row(v + j * rs + h * hs, D * static_cast<int64_t>(sizeof(*v)));
+      __m512 kv[CV];
+      for (int c = 0; c < CV; ++c) kv[c] = load16<DT>(kr + 16 * c);
+      for (int r = 0; r < rows; ++r) {
+        const float* qr = q + static_cast<int64_t>(h * rows + r) * D;
+        // Two chains halve the FMA latency on the critical path.
+        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
+        __m512 a1 = _mm512_setzero_ps();
+        for (int c = 1; c < CV; ++c) {
+          if (c & 1)
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], a1);
+          else
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], a0);
+        }
+        _mm512_store_ps(part + ((h * rows + r) * kStreamKeys + j) * 16, _mm512_add_ps(a0, a1));
+      }
+    }
+  }
+}
+
 struct Avx512Kernels {
+  static constexpr bool kStream = true;
+  // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
+  // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]; prefetches the
+  // block's value rows in the same order. part: heads * rows * 256 floats of scratch.
+  template <AttnDType DT>
+  SD_TARGET_AVX512 static void stream_scores(const float* q, int heads, int rows, int d,
+                                             const typename Elem<DT>::T* k,
+                                             const typename Elem<DT>::T* v, int64_t rs, int64_t hs,
+                                             int n, float, float* part, float* s) {
+    switch (d) {
+      case 64:
+        stream_partials_f32<64, DT>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
+      case 80:
+        stream_partials_f32<80, DT>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
+      case 96:
+        stream_partials_f32<96, DT>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
+      case 128:
+        stream_partials_f32<128, DT>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
+      default:
+        stream_partials_f32<256, DT>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
+    }
+    stream_reduce(part, heads * rows, n, 1.0f, s);
+  }
   template <AttnDType DT>
   SD_TARGET_AVX512 static void load_kt(const typename Elem<DT>::T* k, int64_t rs, int n, int d,
                                        float* kt) {
@@ -396,6 +512,16 @@ struct Avx512Kernels {
     state->l += _mm512_reduce_add_ps(sum);
     return alpha;
   }
+  // softmax_row for the first 16 scores of a row (a streaming block): one vector instead of four.
+  SD_TARGET_AVX512 static float softmax_row16(float* s, uint32_t visible, SoftmaxState* state) {
+    const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(visible),
+                                        _mm512_load_ps(s));
+    const float alpha = softmax_rescale(state, _mm512_reduce_max_ps(x));
+    const __m512 p = exp2_avx512(_mm512_sub_ps(x, _mm512_set1_ps(softmax_reference(state->m))));
+    _mm512_store_ps(s, p);
+    state->l += _mm512_reduce_add_ps(p);
+    return alpha;
+  }
   template <AttnDType VT>
   SD_TARGET_AVX512 static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
                                   int64_t vs, int d, const float* alpha, float* o) {
@@ -454,7 +580,69 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void scores_tile_bf16(const uint32_t* q, in
   }
 }
 
+// bf16 partial score vectors with vdpbf16ps on raw bf16 pairs (query rows stored as d / 2
+// words at the start of each fp32-stride row, see Avx512Bf16Kernels::load_q). D / 2 = 40 words
+// (D = 80) leaves a last chunk of 8 words, loaded masked (zeros add nothing).
+template <int D>
+SD_TARGET_AVX512BF16 void stream_partials_bf16(const float* q, int heads, int rows,
+                                               const uint16_t* k, const uint16_t* v, int64_t rs,
+                                               int64_t hs, int n, float* part) {
+  constexpr int W = D / 2;
+  constexpr int CW = (W + 15) / 16;
+  constexpr __mmask16 kLast = static_cast<__mmask16>(W % 16 == 0 ? 0xFFFF : (1u << (W % 16)) - 1u);
+  for (int j = 0; j < n; ++j) {
+    for (int h = 0; h < heads; ++h) {
+      const uint16_t* kr = k + j * rs + h * hs;
+      prefetch_row(v + j * rs + h * hs, D * static_cast<int64_t>(sizeof(*v)));
+      __m512bh kv[CW];
+      for (int c = 0; c < CW; ++c) {
+        const __mmask16 mk = c == CW - 1 ? kLast : static_cast<__mmask16>(0xFFFF);
+        kv[c] = (__m512bh)_mm512_maskz_loadu_epi32(mk, kr + 32 * c);
+      }
+      for (int r = 0; r < rows; ++r) {
+        const float* qr = q + static_cast<int64_t>(h * rows + r) * D;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int c = 0; c < CW; ++c) {
+          const __mmask16 mk = c == CW - 1 ? kLast : static_cast<__mmask16>(0xFFFF);
+          const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi32(mk, qr + 16 * c);
+          if (c & 1)
+            a1 = _mm512_dpbf16_ps(a1, qv, kv[c]);
+          else
+            a0 = _mm512_dpbf16_ps(a0, qv, kv[c]);
+        }
+        _mm512_store_ps(part + ((h * rows + r) * kStreamKeys + j) * 16, _mm512_add_ps(a0, a1));
+      }
+    }
+  }
+}
+
 struct Avx512Bf16Kernels : Avx512Kernels {
+  // As Avx512Kernels::stream_scores with raw bf16 query rows; the scale is applied to the sums.
+  template <AttnDType DT>
+  SD_TARGET_AVX512BF16 static void stream_scores(const float* q, int heads, int rows, int d,
+                                                 const uint16_t* k, const uint16_t* v, int64_t rs,
+                                                 int64_t hs, int n, float mult, float* part,
+                                                 float* s) {
+    static_assert(DT == AttnDType::kBFloat16, "bf16 only");
+    switch (d) {
+      case 64:
+        stream_partials_bf16<64>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
+      case 80:
+        stream_partials_bf16<80>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
+      case 96:
+        stream_partials_bf16<96>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
+      case 128:
+        stream_partials_bf16<128>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
+      default:
+        stream_partials_bf16<256>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
+    }
+    stream_reduce(part, heads * rows, n, mult, s);
+  }
   // kt holds, for each pair of dims (2i, 2i + 1), the 32-bit words (k[j][2i], k[j][2i + 1]) of
   // the block's keys j: the 16 x 16 transpose of 32-bit words, applied to raw bf16 pairs.
   template <AttnDType DT>
@@ -554,13 +742,16 @@ Isa current_isa() {
 struct Workspace {
   std::vector<float> storage;
   float *q, *o_prefix, *o_tree, *kt, *vb, *s, *alpha;
+  float *part, *sall;  // streaming path only: partial score vectors, scores of all rows
   SoftmaxState *st_prefix, *st_tree;
   std::vector<SoftmaxState> states;
 
-  void reserve(int64_t rows, int64_t d) {
+  // rows: query rows of the work item; stream: whether the streaming prefix path runs.
+  void reserve(int64_t rows, int64_t d, bool stream) {
     auto up = [](int64_t n) { return (n + 15) / 16 * 16; };
-    const int64_t need =
-        3 * up(rows * d) + kBlock * up(d) + kBlock * up(d) + kRowTile * kBlock + up(rows) + 16;
+    const int64_t stream_need = stream ? rows * kStreamKeys * 16 + rows * kBlock : 0;
+    const int64_t need = 3 * up(rows * d) + kBlock * up(d) + kBlock * up(d) + kRowTile * kBlock +
+                         up(rows) + stream_need + 16;
     if (static_cast<int64_t>(storage.size()) < need) storage.assign(need, 0.0f);
     float* base = storage.data();
     base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;  // 64-byte
@@ -571,6 +762,8 @@ struct Workspace {
     vb = kt + kBlock * up(d);
     s = vb + kBlock * up(d);
     alpha = s + kRowTile * kBlock;
+    part = alpha + up(rows);  // 64-byte aligned: every size above is a multiple of 16 floats
+    sall = part + rows * kStreamKeys * 16;
     states.resize(2 * rows);
     st_prefix = states.data();
     st_tree = states.data() + rows;
@@ -668,6 +861,44 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
   }
 }
 
+// Whether the prefix of a work item takes the streaming path (see stream_partials_f32).
+template <class K>
+bool use_stream(const Shape& sh) {
+  return K::kStream && sh.rows <= kStreamRows;
+}
+
+// The prefix keys [begin, end) of the item's KV heads, read key-major in blocks of kStreamKeys:
+// scores of every query row (stream_scores), then per KV head the online-softmax update and P V
+// of the block, whose value rows stream_scores has just prefetched. Same state and accumulator
+// contract as attend_range.
+template <class K, AttnDType DT>
+void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
+                  const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws,
+                  float* o, SoftmaxState* st) {
+  if constexpr (K::kStream) {
+    const int d = static_cast<int>(sh.d);
+    const int rows = static_cast<int>(sh.rows);
+    const int heads = static_cast<int>(sh.heads);
+    const int64_t rs = a.kv_strides[1], hs = a.kv_strides[2];
+    std::fill(o, o + sh.heads * sh.rows * sh.d, 0.0f);
+    for (int64_t r = 0; r < sh.heads * sh.rows; ++r) st[r] = softmax_init();
+    for (int64_t j0 = begin; j0 < end; j0 += kStreamKeys) {
+      const int n = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0));
+      K::template stream_scores<DT>(ws.q, heads, rows, d, k + j0 * rs, v + j0 * rs, rs, hs, n,
+                                    a.scale * kLog2e, ws.part, ws.sall);
+      const uint32_t vis = (uint32_t{1} << n) - 1;
+      for (int h = 0; h < heads; ++h) {
+        float* sh_rows = ws.sall + static_cast<int64_t>(h) * rows * kBlock;
+        for (int r = 0; r < rows; ++r) {
+          ws.alpha[r] = K::softmax_row16(sh_rows + r * kBlock, vis, &st[h * rows + r]);
+        }
+        K::template pv<DT>(sh_rows, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
+                           o + static_cast<int64_t>(h) * rows * sh.d);
+      }
+    }
+  }
+}
+
 // One work item: KV heads kvh0 .. kvh0 + sh.heads of sequence b over prefix keys [begin, end),
 // plus the tree part when with_tree. Hands each row's finished (o, lse2) to `emit`.
 template <class K, AttnDType DT, class Emit>
@@ -676,7 +907,8 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   using T = typename Elem<DT>::T;
   Workspace& ws = thread_workspace();
   const int64_t rows = sh.heads * sh.rows;
-  ws.reserve(rows, sh.d);
+  const bool stream = use_stream<K>(sh);
+  ws.reserve(rows, sh.d, stream);
   const int d = static_cast<int>(sh.d);
   const T* q = static_cast<const T*>(a.q);
   const float mult = a.scale * kLog2e;
@@ -687,7 +919,11 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   }
   const T* k = static_cast<const T*>(a.k) + b * a.kv_strides[0] + kvh0 * a.kv_strides[2];
   const T* v = static_cast<const T*>(a.v) + b * a.kv_strides[0] + kvh0 * a.kv_strides[2];
-  attend_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
+  if (stream) {
+    stream_range<K, DT>(a, sh, k, v, begin, end, ws, ws.o_prefix, ws.st_prefix);
+  } else {
+    attend_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
+  }
   if (with_tree) {
     const int64_t prefix = a.prefix_lens[b];
     const uint32_t* mask_b = a.mask ? a.mask + b * sh.t * sh.words : nullptr;

@@ -106,6 +106,18 @@ def test_decode_and_short_chains_dtypes(isa, dtype, d, t):
     check(q, k, v, lens, ops.tree_info(random_parents(2, t, gen)).mask)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("t", [1, 2])
+def test_streaming_prefix_every_head_dim(isa, dtype, d, t):
+    # 4 or 8 query rows per KV head: on AVX-512 the prefix is read key-major with per-key dot
+    # products (blocks of 16 keys). 517 keys give two splits of the grouped layout and a last
+    # partial block of 5 keys; 16 keys exactly one block; 0 keys none.
+    q, k, v, lens, gen = make_case(3, t, 8, 2, d, [517, 16, 0], dtype, strided=True, seed=d * t)
+    check(q, k, v, lens, None)
+    check(q, k, v, lens, ops.tree_info(random_parents(3, t, gen)).mask)
+
+
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (4, 4), (8, 2), (6, 1), (32, 8)])
 def test_gqa_ratios(isa, hq, hkv):
     q, k, v, lens, gen = make_case(2, 5, hq, hkv, 64, [19, 70], seed=hq)
