@@ -53,12 +53,18 @@ def best_time(fn, min_reps: int = 3, budget_s: float = 1.0, sync=None) -> float:
 
 
 def best_pair(fn_a, fn_b, reps: int = 12, sync=None) -> tuple[float, float]:
-    """Best times of two functions run alternately, so both see the same machine load."""
+    """Best times of two functions run alternately, so both see the same machine load.
+
+    Each timed call starts after a short pause: torch's OpenMP workers keep spinning for a while
+    after a parallel region, and on a 2-core machine a call timed right after the other
+    function's would share the cores with those spinning threads.
+    """
     best_a = best_b = float("inf")
     fn_a()
     fn_b()
     for _ in range(reps):
         for fn, which in ((fn_a, 0), (fn_b, 1)):
+            time.sleep(0.05)
             t0 = time.perf_counter()
             fn()
             if sync:
