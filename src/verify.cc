@@ -116,22 +116,32 @@ inline __m512 exp16(__m512 x) {
 }
 
 // verify::RowWeight<T>::operator() on 16 raw values.
+// The parameters are copied into registers once (the functor itself sits in memory that the
+// loops' stores could alias, which would force a reload per vector).
 template <class T>
-inline __m512 weight16(const verify::RowWeight<T>& f, __m512 raw) {
-  __m512 w;
-  if constexpr (verify::IsProb<T>::value) {
-    w = raw;
-  } else {
-    w = exp16(_mm512_sub_ps(_mm512_mul_ps(raw, set1(f.inv_temp)), set1(f.scaled_max)));
+struct Weight16 {
+  __m512 inv_temp, scaled_max, kth, wmin;
+  explicit Weight16(const verify::RowWeight<T>& f)
+      : inv_temp(set1(f.inv_temp)),
+        scaled_max(set1(f.scaled_max)),
+        kth(set1(f.kth)),
+        wmin(set1(f.wmin)) {}
+  __m512 operator()(__m512 raw) const {
+    __m512 w;
+    if constexpr (verify::IsProb<T>::value) {
+      w = raw;
+    } else {
+      w = exp16(_mm512_sub_ps(_mm512_mul_ps(raw, inv_temp), scaled_max));
+    }
+    w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, kth, _CMP_GE_OQ), w);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, wmin, _CMP_GE_OQ), w);
   }
-  w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, set1(f.kth), _CMP_GE_OQ), w);
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, set1(f.wmin), _CMP_GE_OQ), w);
-}
+};
 
 // verify::FirstResidualWeight::from_weight on 16 lanes: max(w / total - q, 0), NaN where q is
 // not a probability. (fmul(q, 1) is q itself for every q that is not NaN.)
-inline __m512 residual16(__m512 w, __m512 q, float inv_total) {
-  const __m512 d = _mm512_sub_ps(_mm512_mul_ps(w, set1(inv_total)), q);
+inline __m512 residual16(__m512 w, __m512 q, __m512 inv_total) {
+  const __m512 d = _mm512_sub_ps(_mm512_mul_ps(w, inv_total), q);
   const __m512 r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ), d);
   const __mmask16 ok = _mm512_cmp_ps_mask(q, _mm512_setzero_ps(), _CMP_GE_OQ) &
                        _mm512_cmp_ps_mask(q, set1(verify::kFloatMax), _CMP_LE_OQ);
@@ -156,26 +166,48 @@ constexpr int kVecPerChunk = verify::kChunk / 16;
 static_assert(verify::kChunk % 16 == 0, "a chunk is a whole number of 16-lane vectors");
 
 // Canonical sums of the full chunks [0, full) of a weight given per vector by w16(i) (i the first
-// of 16 indices); four chunks at a time so that four independent addition chains hide the add
-// latency. Every chunk's own additions stay in the canonical order.
+// of 16 indices), in memory order: the row streams in sequentially, which the hardware prefetcher
+// follows (interleaving several chunks' addresses defeated it and halved the read bandwidth).
+// Each chunk's additions are one dependent chain in the canonical order; consecutive chunks'
+// chains are independent, so the out-of-order core overlaps them.
 template <class W16>
 inline void full_chunk_sums(int full, float* out, const W16& w16) {
+  for (int c = 0; c < full; ++c) {
+    const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+    __m256 acc = _mm256_setzero_ps();
+    for (int s = 0; s < kVecPerChunk; ++s) acc = add_lanes(acc, w16(begin + s * 16));
+    out[c] = combine_lanes(acc);
+  }
+}
+
+// The same sums for an expensive weight (the exp of logits), whose computation is long enough
+// that one chunk's add chain no longer overlaps the next chunk's: the weights of four chunks are
+// computed in memory order and stored to `w` (the row's weight cache), then summed from L1 with
+// the four chunks' chains interleaved.
+template <class W16>
+inline void full_chunk_sums_stored(int full, float* out, float* w, const W16& w16) {
   int c = 0;
   for (; c + 4 <= full; c += 4) {
+    const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+    for (int64_t i = begin; i < begin + 4 * verify::kChunk; i += 16) {
+      _mm512_storeu_ps(w + i, w16(i));
+    }
     __m256 acc[4];
     for (int g = 0; g < 4; ++g) acc[g] = _mm256_setzero_ps();
     for (int s = 0; s < kVecPerChunk; ++s) {
       for (int g = 0; g < 4; ++g) {
-        const int64_t i = static_cast<int64_t>(c + g) * verify::kChunk + s * 16;
-        acc[g] = add_lanes(acc[g], w16(i));
+        acc[g] = add_lanes(acc[g], _mm512_loadu_ps(w + begin + g * verify::kChunk + s * 16));
       }
     }
     for (int g = 0; g < 4; ++g) out[c + g] = combine_lanes(acc[g]);
   }
   for (; c < full; ++c) {
+    const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
     __m256 acc = _mm256_setzero_ps();
     for (int s = 0; s < kVecPerChunk; ++s) {
-      acc = add_lanes(acc, w16(static_cast<int64_t>(c) * verify::kChunk + s * 16));
+      const __m512 wv = w16(begin + s * 16);
+      _mm512_storeu_ps(w + begin + s * 16, wv);
+      acc = add_lanes(acc, wv);
     }
     out[c] = combine_lanes(acc);
   }
@@ -210,12 +242,34 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
               _mm512_cmp_ps_mask(v, v512::set1(verify::kFloatMax), _CMP_LE_OQ)));
       };
       int64_t i = 0;
-      for (; i + 64 <= n; i += 64) {
-        for (int g = 0; g < 4; ++g) {
-          const __m512 v = v512::load16(row, i + 16 * g);
+      if constexpr (verify::IsProb<T>::value) {
+        // The weights of a probability row without top-k / top-p are its values (kth = -inf,
+        // wmin = 0), known before the scan: their canonical chunk sums are taken in this same
+        // pass, while the data is in registers, and handed to the chunk_sums call of
+        // prepare_row that follows (which would otherwise read the row a second time).
+        const verify::RowWeight<T> plain{load.row, 1.f, -verify::kInf, 0.f, 0.f};
+        const v512::Weight16<T> weight16(plain);
+        pending_.resize(static_cast<size_t>(verify::num_chunks(n)));
+        float* out = pending_.data();
+        const int full = static_cast<int>(n / verify::kChunk);
+        v512::full_chunk_sums(full, out, [&](int64_t k) {
+          const __m512 v = v512::load16(row, k);
           flag |= is_bad(v);
-          // MAXPS(v, m) = v > m ? v : m, the generic lane update (a NaN v keeps m).
-          m[g] = _mm512_max_ps(v, m[g]);
+          m[0] = _mm512_max_ps(v, m[0]);
+          return weight16(v);
+        });
+        i = static_cast<int64_t>(full) * verify::kChunk;
+        if (i < n) out[full] = verify::chunk_sum(plain, i, n);
+        pending_row_ = load.row;
+        pending_n_ = n;
+      } else {
+        for (; i + 64 <= n; i += 64) {
+          for (int g = 0; g < 4; ++g) {
+            const __m512 v = v512::load16(row, i + 16 * g);
+            flag |= is_bad(v);
+            // MAXPS(v, m) = v > m ? v : m, the generic lane update (a NaN v keeps m).
+            m[g] = _mm512_max_ps(v, m[g]);
+          }
         }
       }
       for (; i < n; i += 16) {
@@ -252,6 +306,15 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
     if constexpr (!v512::kFast<T>) {
       return CpuExecAvx512Generic::chunk_sums(n, f, which);
     } else {
+      float* out = sums(which);
+      const int chunks = verify::num_chunks(n);
+      if (verify::IsProb<T>::value && pending_row_ == static_cast<const void*>(f.row) &&
+          pending_n_ == n && f.kth == -verify::kInf && same_bits(f.wmin, 0.f)) {
+        // Taken by the scan of this row (see scan()).
+        for (int c = 0; c < chunks; ++c) out[c] = pending_[c];
+        cached_row_ = nullptr;
+        return verify::sequential_total(out, chunks);
+      }
       const auto* row = v512::elems(f.row);
       constexpr bool cache = !verify::IsProb<T>::value;
       float* w = nullptr;
@@ -259,14 +322,14 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
         row_weights_.resize(static_cast<size_t>(n));
         w = row_weights_.data();
       }
-      float* out = sums(which);
       const int full = static_cast<int>(n / verify::kChunk);
-      v512::full_chunk_sums(full, out, [&](int64_t i) {
-        const __m512 wv = v512::weight16(f, v512::load16(row, i));
-        if (cache) _mm512_storeu_ps(w + i, wv);
-        return wv;
-      });
-      const int chunks = verify::num_chunks(n);
+      const v512::Weight16<T> weight16(f);
+      const auto w16 = [&](int64_t i) { return weight16(v512::load16(row, i)); };
+      if (cache) {
+        v512::full_chunk_sums_stored(full, out, w, w16);
+      } else {
+        v512::full_chunk_sums(full, out, w16);
+      }
       if (full < chunks) {
         const int64_t begin = static_cast<int64_t>(full) * verify::kChunk;
         if (cache) {
@@ -299,14 +362,15 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
       const float* cw = row_weights_.data();
       float* out = sums(which);
       const int full = static_cast<int>(n / verify::kChunk);
-      const float inv_total = f.inv_total;
+      const __m512 inv_total = v512::set1(f.inv_total);
+      const v512::Weight16<T> weight16(f.weight);
       if (cached) {
         v512::full_chunk_sums(full, out, [&](int64_t i) {
           return v512::residual16(_mm512_loadu_ps(cw + i), v512::load16(qrow, i), inv_total);
         });
       } else {
         v512::full_chunk_sums(full, out, [&](int64_t i) {
-          const __m512 wv = v512::weight16(f.weight, v512::load16(row, i));
+          const __m512 wv = weight16(v512::load16(row, i));
           return v512::residual16(wv, v512::load16(qrow, i), inv_total);
         });
       }
@@ -323,6 +387,18 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
       return verify::sequential_total(out, chunks);
     }
   }
+
+  void reset(int64_t vocab) {
+    CpuExecAvx512Generic::reset(vocab);
+    pending_row_ = nullptr;
+    pending_n_ = 0;
+  }
+
+ private:
+  // Chunk sums of a probability row's plain weights taken by its scan, keyed by row and length.
+  std::vector<float> pending_;
+  const void* pending_row_ = nullptr;
+  int64_t pending_n_ = 0;
 };
 #pragma GCC pop_options
 #endif
