@@ -1,8 +1,9 @@
 """Tests of specdecode.ops.verify and specdecode.ops.sample.
 
-The statistical tests draw about 1e5 - 3e5 outcomes per case through the native op in one batched
-call (every row its own seed) and compare the counts with the exact law by a G-test. The
-significance level of each test is a family-wise 1e-3 split over all of them (Bonferroni), so a
+The statistical tests draw 1e6 outcomes per case (N_DRAWS) through the native op, in batched calls
+of up to CHUNK rows (every row its own Philox seed; draft tokens sampled afresh for every block),
+and compare the counts with the exact law by a G-test. The significance level of each test is a
+family-wise 1e-3 split over all of them (Bonferroni, NUM_STAT_TESTS bounds their number), so a
 correct implementation fails a run with probability below 1e-3.
 """
 
@@ -24,8 +25,33 @@ sys.path.insert(0, os.path.dirname(__file__))
 from conftest import requires_cuda  # noqa: E402
 from reference_verify import outcome_distribution, processed_probs  # noqa: E402
 
-NUM_STAT_TESTS = 30
+NUM_STAT_TESTS = 30  # at least the number of g_test calls in this file (22)
 ALPHA = 1e-3 / NUM_STAT_TESTS
+N_DRAWS = 1_000_000  # outcomes per statistical case (the issue's number)
+CHUNK = 250_000  # rows per native call
+
+
+def draws(fn, total: int = N_DRAWS, chunk: int = CHUNK):
+    """Calls ``fn(base, b)`` for consecutive blocks of ``b`` rows whose seeds are ``base ..
+    base + b - 1`` (so that no two draws share a Philox key) and concatenates the results, a
+    VerifyResult or SampleResult, field by field."""
+    parts = []
+    for base in range(0, total, chunk):
+        parts.append(fn(base, min(chunk, total - base)))
+    return type(parts[0])(*[torch.cat(fields) for fields in zip(*parts)])
+
+
+def outcome_counts(res) -> dict:
+    """Counts of the outcomes (accepted path as a tuple of node indices, final token)."""
+    acc = res.num_accepted.long()
+    cols = torch.arange(res.path.shape[1])
+    nodes = torch.where(cols[None, :] <= acc[:, None], res.path.long(), -1)[:, 1:]
+    fin = res.emitted.long().gather(1, acc.unsqueeze(1))
+    rows, counts = torch.unique(torch.cat([nodes, fin], 1), dim=0, return_counts=True)
+    out = {}
+    for r, c in zip(rows.tolist(), counts.tolist()):
+        out[(tuple(x for x in r[:-1] if x >= 0), r[-1])] = c
+    return out
 
 
 def g_test(counts: dict, probs: dict, what: str) -> None:
@@ -110,11 +136,14 @@ def test_philox_known_answers():
 )
 def test_sample_matches_processed_distribution(temperature, top_k, top_p):
     gen = torch.Generator().manual_seed(1)
-    v, b = 24, 200_000
+    v = 24
     logits = torch.randn(v, generator=gen) * 2
     logits[3] = -math.inf  # a token of probability 0
-    res = ops.sample(
-        logits.expand(b, v).contiguous(), temperature, top_k, top_p, seed=seeds(b), offset=7
+    rows = logits.expand(CHUNK, v).contiguous()
+    res = draws(
+        lambda base, b: ops.sample(
+            rows[:b], temperature, top_k, top_p, seed=seeds(b, base), offset=7
+        )
     )
     assert int(res.status.abs().sum()) == 0
     p = processed_probs(logits, temperature, top_k, top_p)
@@ -123,10 +152,11 @@ def test_sample_matches_processed_distribution(temperature, top_k, top_p):
 
 def test_sample_probability_inputs_and_greedy():
     gen = torch.Generator().manual_seed(2)
-    v, b = 16, 100_000
+    v = 16
     probs = rand_dist(gen, v, zeros=4).float()
-    res = ops.sample(
-        probs.expand(b, v).contiguous(), seed=seeds(b), offset=0, target_is_logits=False
+    rows = probs.expand(CHUNK, v).contiguous()
+    res = draws(
+        lambda base, b: ops.sample(rows[:b], seed=seeds(b, base), offset=0, target_is_logits=False)
     )
     g_test(
         hist(res.tokens, v),
@@ -141,24 +171,34 @@ def test_sample_probability_inputs_and_greedy():
 # ---- exact: losslessness -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("with_q", [True, False])
 def test_chain_first_token_is_target_distributed(k, with_q):
     gen = torch.Generator().manual_seed(10 + k)
-    v, b = 12, 200_000
+    v, b = 12, N_DRAWS
     p = rand_dist(gen, k + 1, v, zeros=2)
     q = rand_dist(gen, k + 1, v, zeros=3)
-    tokens = torch.zeros(b, k + 1, dtype=torch.int64)
-    if with_q:
-        for i in range(k):
-            tokens[:, i + 1] = torch.multinomial(q[i].expand(b, v), 1, generator=gen)[:, 0]
-        draft = q.float().expand(b, k + 1, v).contiguous()
-    else:
-        # Deterministic drafts: the draft's argmax, or a fixed arbitrary token.
-        tokens[:, 1:] = torch.randint(0, v, (b, k), generator=gen)
-        draft = None
-    target = torch.log(p).float().expand(b, k + 1, v).contiguous()
-    res = ops.verify(target, tokens, draft_probs=draft, seed=seeds(b), offset=3)
+    draft = q.float().expand(CHUNK, k + 1, v).contiguous() if with_q else None
+    target = torch.log(p).float().expand(CHUNK, k + 1, v).contiguous()
+
+    def block(base: int, m: int):
+        tokens = torch.zeros(m, k + 1, dtype=torch.int64)
+        if with_q:
+            for i in range(k):
+                tokens[:, i + 1] = torch.multinomial(q[i].expand(m, v), 1, generator=gen)[:, 0]
+        else:
+            # Deterministic drafts: arbitrary tokens (not sampled from any q).
+            tokens[:, 1:] = torch.randint(0, v, (m, k), generator=gen)
+        return ops.verify(
+            target[:m],
+            tokens,
+            draft_probs=None if draft is None else draft[:m],
+            seed=seeds(m, base),
+            offset=3,
+        )
+
+    res = draws(block)
     assert int(res.status.abs().sum()) == 0
     first = res.emitted[:, 0]
     g_test(hist(first, v), dict(enumerate(p[0].tolist())), f"chain k={k} q={with_q}")
@@ -184,7 +224,7 @@ def test_joint_of_three_emitted_tokens_with_context(shape):
     """Several verify steps per row; the first three generated tokens must follow the target's
     Markov chain p(x1|x0) p(x2|x1) p(x3|x2) exactly, with context-dependent p and q."""
     gen = torch.Generator().manual_seed(20)
-    v, b, want = 6, 300_000, 3
+    v, b, want = 6, N_DRAWS, 3
     p_tab, q_tab = markov_tables(gen, v)
     if shape == "chain":
         parents = None
@@ -211,8 +251,15 @@ def test_joint_of_three_emitted_tokens_with_context(shape):
                 tokens[:, i] = torch.multinomial(q_tab[parent], 1, generator=gen)[:, 0]
         target = torch.log(p_tab[tokens]).float()
         draft = q_tab[tokens].float()
-        res = ops.verify(
-            target, tokens, parents=parents, draft_probs=draft, seed=seeds(b, step * b), offset=step
+        res = draws(
+            lambda base, m, t=target, tk=tokens, d=draft, s=step: ops.verify(
+                t[base : base + m],
+                tk[base : base + m],
+                parents=None if parents is None else parents[:m],
+                draft_probs=d[base : base + m],
+                seed=seeds(m, s * b + base),
+                offset=s,
+            )
         )
         m = res.num_emitted.long()
         for j in range(res.emitted.shape[1]):
@@ -241,13 +288,14 @@ TREES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", sorted(TREES))
 @pytest.mark.parametrize("with_q", [True, False])
 def test_tree_outcomes_match_enumeration(tree, with_q):
     """The law of (accepted path, final token) for fixed draft tokens equals the enumeration."""
     gen = torch.Generator().manual_seed(30 + len(TREES[tree]))
     parents_list = TREES[tree]
-    n, v, b = len(parents_list), 8, 200_000
+    n, v, b = len(parents_list), 8, CHUNK
     p = rand_dist(gen, n, v, zeros=1)
     q = rand_dist(gen, n, v, zeros=1)
     # Distinct sibling tokens (as sampling without replacement gives), and one duplicate-free
@@ -262,34 +310,45 @@ def test_tree_outcomes_match_enumeration(tree, with_q):
     draft = q.float().expand(b, n, v).contiguous() if with_q else None
     parents = torch.tensor(parents_list, dtype=torch.int32).expand(b, n).contiguous()
     tok = torch.tensor(tokens, dtype=torch.int32).expand(b, n).contiguous()
-    res = ops.verify(target, tok, parents=parents, draft_probs=draft, seed=seeds(b), offset=11)
+    res = draws(
+        lambda base, m: ops.verify(
+            target[:m],
+            tok[:m],
+            parents=parents[:m],
+            draft_probs=None if draft is None else draft[:m],
+            seed=seeds(m, base),
+            offset=11,
+        )
+    )
     assert int(res.status.abs().sum()) == 0
     law = outcome_distribution(p, tokens, parents=parents_list, q_rows=q if with_q else None)
     assert abs(sum(law.values()) - 1) < 1e-9
-    paths = res.path.tolist()
-    acc = res.num_accepted.tolist()
-    fin = res.emitted.gather(1, res.num_accepted.long().unsqueeze(1)).squeeze(1).tolist()
-    outcomes = count((tuple(paths[r][1 : acc[r] + 1]), fin[r]) for r in range(b))
-    g_test(outcomes, law, f"tree {tree} q={with_q}")
+    g_test(outcome_counts(res), law, f"tree {tree} q={with_q}")
 
 
 def test_tree_siblings_first_token_lossless():
     """Siblings sampled from q without replacement; first emitted token ~ p."""
     gen = torch.Generator().manual_seed(40)
-    v, b, m = 10, 200_000, 3
+    v, b, m = 10, CHUNK, 3
     p = rand_dist(gen, m + 1, v, zeros=2)
     q = rand_dist(gen, m + 1, v)
-    tokens = torch.zeros(b, m + 1, dtype=torch.int64)
-    tokens[:, 1:] = torch.multinomial(q[0].expand(b, v), m, replacement=False, generator=gen)
     parents = torch.tensor([-1] + [0] * m, dtype=torch.int32).expand(b, m + 1).contiguous()
-    res = ops.verify(
-        torch.log(p).float().expand(b, m + 1, v).contiguous(),
-        tokens,
-        parents=parents,
-        draft_probs=q.float().expand(b, m + 1, v).contiguous(),
-        seed=seeds(b),
-        offset=5,
-    )
+    target = torch.log(p).float().expand(b, m + 1, v).contiguous()
+    draft = q.float().expand(b, m + 1, v).contiguous()
+
+    def block(base: int, rows: int):
+        tokens = torch.zeros(rows, m + 1, dtype=torch.int64)
+        tokens[:, 1:] = torch.multinomial(q[0].expand(rows, v), m, replacement=False, generator=gen)
+        return ops.verify(
+            target[:rows],
+            tokens,
+            parents=parents[:rows],
+            draft_probs=draft[:rows],
+            seed=seeds(rows, base),
+            offset=5,
+        )
+
+    res = draws(block)
     g_test(hist(res.emitted[:, 0], v), dict(enumerate(p[0].tolist())), "siblings first token")
 
 
@@ -299,21 +358,27 @@ def test_tree_siblings_first_token_lossless():
 @pytest.mark.parametrize("correction", ["residual", "target"])
 def test_relaxed_acceptance_and_total_variation(correction):
     gen = torch.Generator().manual_seed(50)
-    v, b, eps = 10, 200_000, 0.2
+    v, b, eps = 10, N_DRAWS, 0.2
     p = rand_dist(gen, 2, v, zeros=2)
     q = rand_dist(gen, 2, v)
-    tokens = torch.zeros(b, 2, dtype=torch.int64)
-    tokens[:, 1] = torch.multinomial(q[0].expand(b, v), 1, generator=gen)[:, 0]
-    res = ops.verify(
-        torch.log(p).float().expand(b, 2, v).contiguous(),
-        tokens,
-        draft_probs=q.float().expand(b, 2, v).contiguous(),
-        seed=seeds(b),
-        offset=0,
-        method="relaxed",
-        eps=eps,
-        correction=correction,
-    )
+    target = torch.log(p).float().expand(CHUNK, 2, v).contiguous()
+    draft = q.float().expand(CHUNK, 2, v).contiguous()
+
+    def block(base: int, m: int):
+        tokens = torch.zeros(m, 2, dtype=torch.int64)
+        tokens[:, 1] = torch.multinomial(q[0].expand(m, v), 1, generator=gen)[:, 0]
+        return ops.verify(
+            target[:m],
+            tokens,
+            draft_probs=draft[:m],
+            seed=seeds(m, base),
+            offset=0,
+            method="relaxed",
+            eps=eps,
+            correction=correction,
+        )
+
+    res = draws(block)
     p0, q0 = p[0], q[0]
     accepted_mass = torch.minimum(q0, p0 + eps * q0)  # P(accept and emit y)
     rate = float(accepted_mass.sum())
@@ -331,28 +396,32 @@ def test_relaxed_acceptance_and_total_variation(correction):
     assert abs(0.5 * float((empirical - p0).abs().sum()) - tv) < 0.01
 
 
+@pytest.mark.slow
 def test_relaxed_outcomes_match_enumeration_on_a_tree():
     gen = torch.Generator().manual_seed(51)
     parents_list = [-1, 0, 0, 1]
-    n, v, b = 4, 8, 150_000
+    n, v, b = 4, 8, CHUNK
     p = rand_dist(gen, n, v)
     q = rand_dist(gen, n, v)
     tokens = [0, 2, 5, 1]
-    res = ops.verify(
-        torch.log(p).float().expand(b, n, v).contiguous(),
-        torch.tensor(tokens).expand(b, n).contiguous(),
-        parents=torch.tensor(parents_list, dtype=torch.int32).expand(b, n).contiguous(),
-        draft_probs=q.float().expand(b, n, v).contiguous(),
-        seed=seeds(b),
-        offset=2,
-        method="relaxed",
-        eps=0.1,
+    target = torch.log(p).float().expand(b, n, v).contiguous()
+    tok = torch.tensor(tokens).expand(b, n).contiguous()
+    parents = torch.tensor(parents_list, dtype=torch.int32).expand(b, n).contiguous()
+    draft = q.float().expand(b, n, v).contiguous()
+    res = draws(
+        lambda base, m: ops.verify(
+            target[:m],
+            tok[:m],
+            parents=parents[:m],
+            draft_probs=draft[:m],
+            seed=seeds(m, base),
+            offset=2,
+            method="relaxed",
+            eps=0.1,
+        )
     )
     law = outcome_distribution(p, tokens, parents=parents_list, q_rows=q, method="relaxed", eps=0.1)
-    acc = res.num_accepted.tolist()
-    paths = res.path.tolist()
-    fin = res.emitted.gather(1, res.num_accepted.long().unsqueeze(1)).squeeze(1).tolist()
-    g_test(count((tuple(paths[r][1 : acc[r] + 1]), fin[r]) for r in range(b)), law, "relaxed tree")
+    g_test(outcome_counts(res), law, "relaxed tree")
 
 
 def test_typical_acceptance_rule():
@@ -552,34 +621,59 @@ def test_same_seed_same_tokens_permutation_and_threads():
 _ISA_SCRIPT = """
 import sys, torch
 from specdecode import ops
-g = torch.Generator().manual_seed(5)
-b, n, v = 16, 5, 3001
-logits = torch.randn(b, n, v, generator=g) * 3
-q = torch.softmax(torch.randn(b, n, v, generator=g) * 2, -1)
-tokens = torch.randint(0, v, (b, n), generator=g)
-parents = torch.tensor([-1, 0, 0, 1, 2], dtype=torch.int32).expand(b, n).contiguous()
 outs = []
-for kw in (dict(draft_probs=q), dict(parents=parents, draft_probs=q, top_k=40, top_p=0.8),
-           dict(temperature=0.6), dict(method="typical"),
-           dict(target_is_logits=False, draft_probs=q)):
-    t = torch.softmax(logits, -1) if kw.get("target_is_logits") is False else logits
-    r = ops.verify(t, tokens, seed=torch.arange(b), offset=1, **kw)
-    outs.append(torch.cat([r.emitted.flatten(), r.num_emitted, r.status]))
+# V = 3001 ends in a partial chunk; V = 4352 is 17 whole chunks (the vector loops only).
+for v in (3001, 4352):
+    g = torch.Generator().manual_seed(5)
+    b, n = 16, 5
+    logits = torch.randn(b, n, v, generator=g) * 3
+    logits[0, 0, ::3] = -float("inf")  # weights that are exactly 0
+    logits[1, 0, :] = 50.0  # ties everywhere: the argmax is the first index
+    logits[2, 1, :40] = -100.0  # below the exp's flush threshold
+    q = torch.softmax(torch.randn(b, n, v, generator=g) * 2, -1)
+    q[3, 0, 7] = 0.0
+    tokens = torch.randint(0, v, (b, n), generator=g)
+    tokens[4, 1] = int(logits[4, 0].argmax())  # likely accepted: the walk goes deeper
+    parents = torch.tensor([-1, 0, 0, 1, 2], dtype=torch.int32).expand(b, n).contiguous()
+    probs = torch.softmax(logits, -1)
+    probs[5, 0, 100:200] = 0.0
+    bad = logits.clone()
+    bad[6, 0, 9] = float("nan")
+    cases = [
+        (logits, dict(draft_probs=q)),
+        (logits, dict(parents=parents, draft_probs=q, top_k=40, top_p=0.8)),
+        (logits, dict(temperature=0.6)),
+        (logits, dict(temperature=0.0)),
+        (logits, dict(method="typical")),
+        (probs, dict(target_is_logits=False, draft_probs=q)),
+        (probs, dict(target_is_logits=False, draft_probs=q, top_k=100)),
+        (probs, dict(target_is_logits=False, draft_probs=q, top_p=0.9)),
+        (logits.bfloat16(), dict(draft_probs=q.bfloat16())),
+        (probs.bfloat16(), dict(target_is_logits=False, draft_probs=q.bfloat16())),
+        (logits.half(), dict(draft_probs=q.half())),
+        (logits, dict(draft_probs=q.bfloat16())),
+        (bad, dict(draft_probs=q)),
+    ]
+    for t, kw in cases:
+        r = ops.verify(t, tokens, seed=torch.arange(b), offset=1, **kw)
+        outs.append(torch.cat([r.emitted.flatten(), r.path.flatten(), r.num_emitted, r.status]))
 torch.save(torch.cat(outs), sys.argv[1])
 """
 
 
 def test_cpu_isa_paths_agree(tmp_path):
-    """The AVX2 row loops and the baseline ones must give identical tokens (as the GPU must)."""
+    """The baseline, AVX2 and AVX-512 row loops (capped with SPECDECODE_CPU_ISA; "auto" is the
+    widest this CPU has) must give identical tokens, as the GPU must."""
     import subprocess
 
     results = []
-    for isa in ("baseline", "auto"):
+    for isa in ("baseline", "avx2", "auto"):
         env = dict(os.environ, SPECDECODE_CPU_ISA=isa)
         out = tmp_path / f"{isa}.pt"
         subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(out)], env=env, check=True)
         results.append(torch.load(out))
     assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], results[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
