@@ -199,7 +199,8 @@ void NGramCache::prefetch_update(int slot, const int32_t* tokens, int64_t n, int
         const int64_t i = end - w + j;
         leader[j] = i < t ? tail[i] : tokens[i - t];
       }
-      table(state, k).prefetch(leader, stage);
+      const Table tab = table(state, k);
+      tab.prefetch(tab.hash_of(leader), stage);
     }
   }
 }
@@ -374,23 +375,26 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
                        int64_t ctx_stride, const int32_t* context_lens, int max_nodes,
                        int max_depth, bool chain, int32_t* out_tokens, int32_t* out_parents,
                        int32_t* out_num_nodes) {
-  // The root's leaders are the contexts' last tokens, known for every row up front.
+  // The root's leaders are the contexts' last tokens, known for every row up front: the rows
+  // ahead get their home slots (stage 0, two rows ahead) and then, for a touch, the records it
+  // relinks (stage 1, one row ahead).
+  const bool touch = config_.touch_on_read && !frozen_;
   auto prefetch = [&](int64_t b, int stage) {
-    if (max_depth < 1 || max_nodes < 2) return;
-    if (stage == 2 && !(config_.touch_on_read && !frozen_)) return;
     const int32_t* ctx = contexts + b * ctx_stride;
     for (int k = 0; k < num_tables(); ++k) {
       const int l = shapes_[k].leader_len;
-      if (context_lens[b] >= l) table(slots[b], k).prefetch(ctx + context_lens[b] - l, stage);
+      if (context_lens[b] < l) continue;
+      const Table tab = table(slots[b], k);
+      tab.prefetch(tab.hash_of(ctx + context_lens[b] - l), stage);
     }
   };
+  const bool pipeline = !config_.shared && max_depth >= 1 && max_nodes >= 2;
   auto run = [&](int64_t begin, int64_t end) {
     Scratch scratch(max_nodes);
     for (int64_t b = begin; b < end; ++b) {
-      if (!config_.shared) {
-        for (int stage = 0; stage < 3; ++stage) {
-          if (b + 3 - stage < end) prefetch(b + 3 - stage, stage);
-        }
+      if (pipeline) {
+        if (b + 2 < end) prefetch(b + 2, 0);
+        if (touch && b + 1 < end) prefetch(b + 1, 1);
       }
       draft_one(slots[b], contexts + b * ctx_stride, context_lens[b], max_nodes, max_depth, chain,
                 scratch, out_tokens + b * max_nodes, out_parents + b * max_nodes,
