@@ -318,19 +318,19 @@ void NGramCache::draft_one(int slot, const int32_t* context, int context_len, in
     sc.alive.assign(ncand, 1);
     int longest = 0;
     for (const Candidate& c : sc.cands) longest = std::max(longest, c.len);
-    const int first_new = count;
-    for (int j = 0; j < longest; ++j) {
+    // Every path below v is at depth depth[v] + j + 1 at level j, so the depth limit cuts all
+    // candidates at the same level: those still longer than that die there.
+    const int levels = std::min(longest, max_depth - sc.depth[v]);
+    for (int j = 0; j < levels; ++j) {
+      // The children of a node at level j - 1 are only ever created at level j of this
+      // expansion, so the nodes created so far at this level are the only ones to search.
+      const int level_begin = count;
       for (int c = 0; c < ncand; ++c) {
         if (!sc.alive[c] || j >= sc.cands[c].len) continue;
         const int at = sc.cur[c];
-        if (sc.depth[at] >= max_depth) {
-          sc.alive[c] = 0;
-          continue;
-        }
         const int32_t tok = sc.cands[c].tokens[j];
         int child = -1;
-        // Children of v's subtree are only ever created in this expansion.
-        for (int u = first_new; u < count; ++u) {
+        for (int u = level_begin; u < count; ++u) {
           if (sc.parent[u] == at && sc.token[u] == tok) {
             child = u;
             break;
@@ -349,6 +349,9 @@ void NGramCache::draft_one(int slot, const int32_t* context, int context_len, in
         }
         sc.cur[c] = child;
       }
+    }
+    for (int c = 0; c < ncand; ++c) {
+      if (sc.cands[c].len > levels) sc.alive[c] = 0;
     }
     // The end of each complete candidate path is the next leader's last token (breadth first).
     for (int c = 0; c < ncand; ++c) {
@@ -375,9 +378,10 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
                        int64_t ctx_stride, const int32_t* context_lens, int max_nodes,
                        int max_depth, bool chain, int32_t* out_tokens, int32_t* out_parents,
                        int32_t* out_num_nodes) {
-  // The root's leaders are the contexts' last tokens, known for every row up front: the rows
-  // ahead get their home slots (stage 0, two rows ahead) and then, for a touch, the records it
-  // relinks (stage 1, one row ahead).
+  // The root's leaders are the contexts' last tokens, known for every row up front. Each row's
+  // context lies in memory of its own, so the rows ahead first get the end of their context
+  // (three rows ahead), then their home slots (two rows ahead) and then, for a touch, the
+  // records it relinks (one row ahead).
   const bool touch = config_.touch_on_read && !frozen_;
   auto prefetch = [&](int64_t b, int stage) {
     const int32_t* ctx = contexts + b * ctx_stride;
@@ -393,6 +397,11 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
     Scratch scratch(max_nodes);
     for (int64_t b = begin; b < end; ++b) {
       if (pipeline) {
+        if (b + 3 < end) {
+          const int32_t* last = contexts + (b + 3) * ctx_stride + context_lens[b + 3] - 1;
+          __builtin_prefetch(last);
+          __builtin_prefetch(last - (max_leader_len_ - 1));
+        }
         if (b + 2 < end) prefetch(b + 2, 0);
         if (touch && b + 1 < end) prefetch(b + 1, 1);
       }
