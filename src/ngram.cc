@@ -200,7 +200,7 @@ void NGramCache::prefetch_update(int slot, const int32_t* tokens, int64_t n, int
         leader[j] = i < t ? tail[i] : tokens[i - t];
       }
       const Table tab = table(state, k);
-      tab.prefetch(tab.hash_of(leader), stage);
+      tab.prefetch(tab.hash_of(leader), stage, true);
     }
   }
 }
@@ -208,11 +208,11 @@ void NGramCache::prefetch_update(int slot, const int32_t* tokens, int64_t n, int
 void NGramCache::update(const int32_t* slots, int64_t batch, const int32_t* tokens,
                         const int32_t* offsets) {
   // Rows hit unrelated tables, so once a batch's tables outgrow the caches each insert waits on
-  // memory; a three-stage prefetch pipeline over the next rows overlaps those waits.
+  // memory; a four-stage prefetch pipeline over the next rows overlaps those waits.
   auto rows = [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      for (int stage = 0; stage < 3; ++stage) {
-        const int64_t ahead = b + 3 - stage;
+      for (int stage = 0; stage < 4; ++stage) {
+        const int64_t ahead = b + 4 - stage;
         if (ahead < end) {
           prefetch_update(slots[ahead], tokens + offsets[ahead],
                           static_cast<int64_t>(offsets[ahead + 1]) - offsets[ahead], stage);
@@ -389,7 +389,7 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
       const int l = shapes_[k].leader_len;
       if (context_lens[b] < l) continue;
       const Table tab = table(slots[b], k);
-      tab.prefetch(tab.hash_of(ctx + context_lens[b] - l), stage);
+      tab.prefetch(tab.hash_of(ctx + context_lens[b] - l), stage, false);
     }
   };
   const bool pipeline = !config_.shared && max_depth >= 1 && max_nodes >= 2;

@@ -133,11 +133,11 @@ class Table {
   // Prefetch hints for batched callers, which know later rows' leaders ahead of time. Each
   // stage assumes the previous one has landed: stage 0 pulls in the leader's home slot (whose
   // record is the leader's in the common case) and the table's meta words; stage 1, for a hit in
-  // the home slot, the records a touch relinks (the LRU neighbours and the most recent leader),
-  // and for a new leader in a full table the least recent leader's record, which the insert will
-  // evict; stage 2, for such an eviction, the records its unlink and backward shift touch. Hints
-  // only: reading a stale slot or record here is harmless.
-  void prefetch(uint32_t h, int stage) const {
+  // the home slot, the records a touch relinks (the LRU neighbours and the most recent leader);
+  // stages 1, 2, 3, ..., for a new leader in a full table, the records of the 1st, 2nd, 3rd, ...
+  // least recent leaders (see below). Hints only: reading a stale slot or record is harmless.
+  // `insert` says whether the caller will insert (else it only looks up and touches).
+  void prefetch(uint32_t h, int stage, bool insert) const {
     const int home = static_cast<int>(h & static_cast<uint32_t>(s_->hash_cap - 1));
     const int32_t* r = rec(home);
     if (stage == 0) {
@@ -153,15 +153,17 @@ class Table {
       if (w_[2] >= 0) __builtin_prefetch(rec(w_[2]), 1);
       return;
     }
-    if (w_[0] < s_->max_leaders || w_[1] < 0) return;
-    if (stage == 1) {
-      prefetch_record(w_[1]);
-      return;
-    }
-    const int32_t* v = rec(w_[1]);
-    if (v[kNext] >= 0) __builtin_prefetch(rec(v[kNext]), 1);
+    // A new leader in a full table: an update's e-th new leader evicts the e-th least recent
+    // leader, so stage s walks one link further down the LRU list than stage s - 1 did (whose
+    // record has landed) and prefetches that victim's record, the slot after it (the backward
+    // shift reads it) and the most recent leader's record (push_mru writes it).
+    if (!insert || w_[0] < s_->max_leaders || w_[1] < 0) return;
+    int victim = w_[1];
+    for (int i = 1; i < stage && victim >= 0; ++i) victim = rec(victim)[kNext];
+    if (victim < 0) return;
+    prefetch_record(victim);
+    __builtin_prefetch(rec((victim + 1) & (s_->hash_cap - 1)));
     if (w_[2] >= 0) __builtin_prefetch(rec(w_[2]), 1);
-    prefetch_record((w_[1] + 1) & (s_->hash_cap - 1));
   }
 
   // Every cache line of a slot's record.
