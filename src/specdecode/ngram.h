@@ -243,7 +243,7 @@ class Table {
   }
 
   void write_entry(int32_t* e, const int32_t* follower, int64_t stamp) {
-    std::memcpy(e, follower, sizeof(int32_t) * s_->follower_len);
+    for (int i = 0; i < s_->follower_len; ++i) e[i] = follower[i];
     std::memcpy(e + s_->follower_len, &stamp, sizeof(stamp));
   }
 
@@ -258,7 +258,8 @@ class Table {
     }
     // Shift the more recent entries 0 .. j-1 down by one and put this one first.
     int32_t* row = entry(leader, 0);
-    std::memmove(row + s_->entry, row, sizeof(int32_t) * s_->entry * j);
+    // A few words: a plain loop (backwards, the ranges overlap) beats a call to memmove.
+    for (int i = s_->entry * j - 1; i >= 0; --i) row[s_->entry + i] = row[i];
     write_entry(row, follower, stamp);
   }
 
