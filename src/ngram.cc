@@ -392,6 +392,53 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
       tab.prefetch(tab.hash_of(ctx + context_lens[b] - l), stage, false);
     }
   };
+  // One row ahead, whose root records have landed: the home slots of the leaders that the
+  // first expansions below the root will look up, i.e. the ends of the root's most recent
+  // followers (breadth first reaches them first; the node budget is usually spent soon after).
+  const int deep_width = chain ? 1 : 2;
+  auto deep = [&](int64_t b) {
+    const int32_t* ctx = contexts + b * ctx_stride;
+    const int len = context_lens[b];
+    int root[ngram::kMaxTables], next_j[ngram::kMaxTables];
+    for (int k = 0; k < num_tables(); ++k) {
+      const Table tab = table(slots[b], k);
+      const int l = shapes_[k].leader_len;
+      root[k] = len >= l ? tab.hint(tab.hash_of(ctx + len - l)) : -1;
+      next_j[k] = 0;
+    }
+    int32_t leader[ngram::kMaxLeaderLen];
+    for (int taken = 0; taken < deep_width; ++taken) {
+      // The next most recent follower over the tables, as lookup() merges them.
+      int best = -1;
+      int64_t best_stamp = -1;
+      for (int k = 0; k < num_tables(); ++k) {
+        if (root[k] < 0) continue;
+        const Table tab = table(slots[b], k);
+        if (next_j[k] >= tab.num_followers(root[k])) continue;
+        const int64_t st = tab.stamp(root[k], next_j[k]);
+        if (st > best_stamp) {
+          best = k;
+          best_stamp = st;
+        }
+      }
+      if (best < 0) return;
+      const int fl = shapes_[best].follower_len;
+      const int32_t* f = table(slots[b], best).follower(root[best], next_j[best]++);
+      for (int k = 0; k < num_tables(); ++k) {
+        const int l = shapes_[k].leader_len;
+        const int32_t* key = f + fl - l;
+        if (fl < l) {
+          // The leader reaches back into the context: its last l - fl tokens, then f.
+          if (len < l - fl) continue;
+          std::memcpy(leader, ctx + len - (l - fl), sizeof(int32_t) * (l - fl));
+          std::memcpy(leader + l - fl, f, sizeof(int32_t) * fl);
+          key = leader;
+        }
+        const Table tab = table(slots[b], k);
+        tab.prefetch(tab.hash_of(key), 0, false);
+      }
+    }
+  };
   const bool pipeline = !config_.shared && max_depth >= 1 && max_nodes >= 2;
   auto run = [&](int64_t begin, int64_t end) {
     Scratch scratch(max_nodes);
@@ -403,7 +450,10 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
           __builtin_prefetch(last - (max_leader_len_ - 1));
         }
         if (b + 2 < end) prefetch(b + 2, 0);
-        if (touch && b + 1 < end) prefetch(b + 1, 1);
+        if (b + 1 < end) {
+          if (touch) prefetch(b + 1, 1);
+          if (max_depth >= 2) deep(b + 1);
+        }
       }
       draft_one(slots[b], contexts + b * ctx_stride, context_lens[b], max_nodes, max_depth, chain,
                 scratch, out_tokens + b * max_nodes, out_parents + b * max_nodes,

@@ -166,6 +166,14 @@ class Table {
     if (w_[2] >= 0) __builtin_prefetch(rec(w_[2]), 1);
   }
 
+  // The slot of the leader with hash h if it sits in its home slot (tags only, keys are not
+  // compared, so it may name another leader), else -1. A prefetch hint.
+  int hint(uint32_t h) const {
+    const int home = static_cast<int>(h & static_cast<uint32_t>(s_->hash_cap - 1));
+    const int32_t* r = rec(home);
+    return r[kState] != 0 && static_cast<uint32_t>(r[kTag]) == h ? home : -1;
+  }
+
   // Every cache line of a slot's record.
   void prefetch_record(int slot) const {
     const char* r = reinterpret_cast<const char*>(rec(slot));
