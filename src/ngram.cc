@@ -199,7 +199,8 @@ void NGramCache::prefetch_update(int slot, const int32_t* tokens, int64_t n, int
         const int64_t i = end - w + j;
         leader[j] = i < t ? tail[i] : tokens[i - t];
       }
-      table(state, k).prefetch(leader, stage);
+      const Table tab = table(state, k);
+      tab.prefetch(tab.hash_of(leader), stage, true);
     }
   }
 }
@@ -207,11 +208,11 @@ void NGramCache::prefetch_update(int slot, const int32_t* tokens, int64_t n, int
 void NGramCache::update(const int32_t* slots, int64_t batch, const int32_t* tokens,
                         const int32_t* offsets) {
   // Rows hit unrelated tables, so once a batch's tables outgrow the caches each insert waits on
-  // memory; a three-stage prefetch pipeline over the next rows overlaps those waits.
+  // memory; a four-stage prefetch pipeline over the next rows overlaps those waits.
   auto rows = [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      for (int stage = 0; stage < 3; ++stage) {
-        const int64_t ahead = b + 3 - stage;
+      for (int stage = 0; stage < 4; ++stage) {
+        const int64_t ahead = b + 4 - stage;
         if (ahead < end) {
           prefetch_update(slots[ahead], tokens + offsets[ahead],
                           static_cast<int64_t>(offsets[ahead + 1]) - offsets[ahead], stage);
@@ -317,19 +318,19 @@ void NGramCache::draft_one(int slot, const int32_t* context, int context_len, in
     sc.alive.assign(ncand, 1);
     int longest = 0;
     for (const Candidate& c : sc.cands) longest = std::max(longest, c.len);
-    const int first_new = count;
-    for (int j = 0; j < longest; ++j) {
+    // Every path below v is at depth depth[v] + j + 1 at level j, so the depth limit cuts all
+    // candidates at the same level: those still longer than that die there.
+    const int levels = std::min(longest, max_depth - sc.depth[v]);
+    for (int j = 0; j < levels; ++j) {
+      // The children of a node at level j - 1 are only ever created at level j of this
+      // expansion, so the nodes created so far at this level are the only ones to search.
+      const int level_begin = count;
       for (int c = 0; c < ncand; ++c) {
         if (!sc.alive[c] || j >= sc.cands[c].len) continue;
         const int at = sc.cur[c];
-        if (sc.depth[at] >= max_depth) {
-          sc.alive[c] = 0;
-          continue;
-        }
         const int32_t tok = sc.cands[c].tokens[j];
         int child = -1;
-        // Children of v's subtree are only ever created in this expansion.
-        for (int u = first_new; u < count; ++u) {
+        for (int u = level_begin; u < count; ++u) {
           if (sc.parent[u] == at && sc.token[u] == tok) {
             child = u;
             break;
@@ -348,6 +349,9 @@ void NGramCache::draft_one(int slot, const int32_t* context, int context_len, in
         }
         sc.cur[c] = child;
       }
+    }
+    for (int c = 0; c < ncand; ++c) {
+      if (sc.cands[c].len > levels) sc.alive[c] = 0;
     }
     // The end of each complete candidate path is the next leader's last token (breadth first).
     for (int c = 0; c < ncand; ++c) {
@@ -374,22 +378,81 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
                        int64_t ctx_stride, const int32_t* context_lens, int max_nodes,
                        int max_depth, bool chain, int32_t* out_tokens, int32_t* out_parents,
                        int32_t* out_num_nodes) {
-  // The root's leaders are the contexts' last tokens, known for every row up front.
+  // The root's leaders are the contexts' last tokens, known for every row up front. Each row's
+  // context lies in memory of its own, so the rows ahead first get the end of their context
+  // (three rows ahead), then their home slots (two rows ahead) and then, for a touch, the
+  // records it relinks (one row ahead).
+  const bool touch = config_.touch_on_read && !frozen_;
   auto prefetch = [&](int64_t b, int stage) {
-    if (max_depth < 1 || max_nodes < 2) return;
-    if (stage == 2 && !(config_.touch_on_read && !frozen_)) return;
     const int32_t* ctx = contexts + b * ctx_stride;
     for (int k = 0; k < num_tables(); ++k) {
       const int l = shapes_[k].leader_len;
-      if (context_lens[b] >= l) table(slots[b], k).prefetch(ctx + context_lens[b] - l, stage);
+      if (context_lens[b] < l) continue;
+      const Table tab = table(slots[b], k);
+      tab.prefetch(tab.hash_of(ctx + context_lens[b] - l), stage, false);
     }
   };
+  // One row ahead, whose root records have landed: the home slots of the leaders that the
+  // first expansions below the root will look up, i.e. the ends of the root's most recent
+  // followers (breadth first reaches them first; the node budget is usually spent soon after).
+  const int deep_width = chain ? 1 : 2;
+  auto deep = [&](int64_t b) {
+    const int32_t* ctx = contexts + b * ctx_stride;
+    const int len = context_lens[b];
+    int root[ngram::kMaxTables], next_j[ngram::kMaxTables];
+    for (int k = 0; k < num_tables(); ++k) {
+      const Table tab = table(slots[b], k);
+      const int l = shapes_[k].leader_len;
+      root[k] = len >= l ? tab.hint(tab.hash_of(ctx + len - l)) : -1;
+      next_j[k] = 0;
+    }
+    int32_t leader[ngram::kMaxLeaderLen];
+    for (int taken = 0; taken < deep_width; ++taken) {
+      // The next most recent follower over the tables, as lookup() merges them.
+      int best = -1;
+      int64_t best_stamp = -1;
+      for (int k = 0; k < num_tables(); ++k) {
+        if (root[k] < 0) continue;
+        const Table tab = table(slots[b], k);
+        if (next_j[k] >= tab.num_followers(root[k])) continue;
+        const int64_t st = tab.stamp(root[k], next_j[k]);
+        if (st > best_stamp) {
+          best = k;
+          best_stamp = st;
+        }
+      }
+      if (best < 0) return;
+      const int fl = shapes_[best].follower_len;
+      const int32_t* f = table(slots[b], best).follower(root[best], next_j[best]++);
+      for (int k = 0; k < num_tables(); ++k) {
+        const int l = shapes_[k].leader_len;
+        const int32_t* key = f + fl - l;
+        if (fl < l) {
+          // The leader reaches back into the context: its last l - fl tokens, then f.
+          if (len < l - fl) continue;
+          std::memcpy(leader, ctx + len - (l - fl), sizeof(int32_t) * (l - fl));
+          std::memcpy(leader + l - fl, f, sizeof(int32_t) * fl);
+          key = leader;
+        }
+        const Table tab = table(slots[b], k);
+        tab.prefetch(tab.hash_of(key), 0, false);
+      }
+    }
+  };
+  const bool pipeline = !config_.shared && max_depth >= 1 && max_nodes >= 2;
   auto run = [&](int64_t begin, int64_t end) {
     Scratch scratch(max_nodes);
     for (int64_t b = begin; b < end; ++b) {
-      if (!config_.shared) {
-        for (int stage = 0; stage < 3; ++stage) {
-          if (b + 3 - stage < end) prefetch(b + 3 - stage, stage);
+      if (pipeline) {
+        if (b + 3 < end) {
+          const int32_t* last = contexts + (b + 3) * ctx_stride + context_lens[b + 3] - 1;
+          __builtin_prefetch(last);
+          __builtin_prefetch(last - (max_leader_len_ - 1));
+        }
+        if (b + 2 < end) prefetch(b + 2, 0);
+        if (b + 1 < end) {
+          if (touch) prefetch(b + 1, 1);
+          if (max_depth >= 2) deep(b + 1);
         }
       }
       draft_one(slots[b], contexts + b * ctx_stride, context_lens[b], max_nodes, max_depth, chain,

@@ -230,6 +230,28 @@ def test_matches_reference_real_stream(config, start, chunks):
         run_script(native, ref, [("draft", [0], [ctx], 24, 6, False)], slots=[0])
 
 
+@pytest.mark.parametrize("chain", [False, True])
+def test_batched_replay_matches_reference(chain):
+    """A batch large enough for the native prefetch pipelines (rows ahead, victims down the LRU
+    list, leaders below the root) and tables small enough that nearly every insert evicts and
+    moves records inside their probe runs: drafts and whole table states stay exact."""
+    data = real_tokens()
+    batch = 24
+    config = dict(tables=[(1, 2), (2, 3)], max_leaders=48, max_followers=3)
+    native = NGramCache(max_sequences=batch, **config)
+    ref = RefNGramCache(max_sequences=batch, **config)
+    slots = list(range(batch))
+    pos = [300 + 97 * b for b in slots]
+    run_script(native, ref, [("update", slots, [data[p - 300 : p] for p in pos])], slots=slots)
+    for step in range(12):
+        ctxs = [data[p - 8 : p] for p in pos]
+        run_script(native, ref, [("draft", slots, ctxs, 16, 8, chain)], slots=slots)
+        sizes = [1 + (b + step) % 4 for b in slots]
+        rows = [data[p : p + n] for p, n in zip(pos, sizes)]
+        run_script(native, ref, [("update", slots, rows)], slots=slots)
+        pos = [p + n for p, n in zip(pos, sizes)]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     configs,

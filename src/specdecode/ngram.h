@@ -4,24 +4,27 @@
 // A table instance is a view over memory allocated once by its owner (see ngram_ops.h); nothing
 // here allocates, so the memory of a cache never grows. Layout of one instance, in int32 words:
 //
-//   meta    [4]                     count (leaders in use), lru (least recent leader), mru, 0
-//   hash    [2 * hash_cap]          open addressing, linear probing: (leader index or -1, tag)
-//   records [max_leaders * record]  one record per leader:
-//             prev, next            intrusive doubly linked LRU list over leader indices (-1 ends)
-//             nfol                  followers in the row
-//             tag                   the leader's hash (its home bucket is tag & (hash_cap - 1))
-//             key [leader_len]
-//             row [max_followers * (follower_len + 2)]: follower tokens, then its int64 stamp
+//   meta  [4]                    count (leaders in use), lru (least recent leader), mru, 0
+//   slots [hash_cap * record]    open addressing with linear probing over the records themselves:
+//           prev, next           intrusive doubly linked LRU list over slot indices (-1 ends)
+//           state                0: the slot is empty; else 1 + the number of followers
+//           tag                  the leader's hash (its home slot is tag & (hash_cap - 1))
+//           key [leader_len]
+//           row [max_followers * (follower_len + 2)]: follower tokens, then its int64 stamp
 //
-// A leader's links, key and row sit together and the hash keeps the tag beside the index, so a
-// lookup costs about two cache misses and an insert about five (the LRU neighbours): the cache
-// is memory-bound once a batch's tables exceed the last-level cache.
+// A leader is identified by its slot. The records live in the hash table itself, so a lookup
+// costs one cache miss (the home slot's record: tag, key and row side by side; the next slots
+// of a probe run follow in memory) instead of a bucket miss followed by a record miss: once a
+// batch's tables exceed the last-level cache the cache is bound by such misses. The table is at
+// most half full (hash_cap >= 2 * max_leaders), so probe runs stay short.
 //
-// Invariants: leaders 0 .. count-1 are in use (a full table evicts and reuses an index, nothing
-// is ever freed on its own, so no free list is needed); every leader in use is in the hash and
-// in the LRU list exactly once; a row holds its followers physically ordered most recent first,
-// with pairwise distinct token tuples and strictly decreasing stamps. Rows are at most 64 long,
-// so keeping them ordered by shifting is cheaper than a second level of links.
+// Invariants: count leaders are in use, each in exactly one slot on the probe run from its home
+// slot (no empty slot in between), and in the LRU list exactly once; a full table evicts the least
+// recently used leader before it adds one. Deletion shifts later records of the probe run back
+// (no tombstones) and relinks the LRU neighbours of every record it moves. A row holds its
+// followers physically ordered most recent first, with pairwise distinct token tuples and
+// strictly decreasing stamps. Rows are at most 64 long, so keeping them ordered by shifting is
+// cheaper than a second level of links.
 #pragma once
 
 #include <cstdint>
@@ -42,11 +45,12 @@ struct TableShape {
   int follower_len = 2;
   int max_leaders = 256;
   int max_followers = 4;
-  int hash_cap = 0;  // a power of two >= 2 * max_leaders, so probes stay short
-  int entry = 0;     // int32 words per follower: tokens + an int64 stamp
-  int record = 0;    // int32 words per leader record
-  int64_t off_records = 0;
+  int hash_cap = 0;   // slots: a power of two >= 2 * max_leaders, so probe runs stay short
+  int entry = 0;      // int32 words per follower: tokens + an int64 stamp
+  int record = 0;     // int32 words per slot
   int64_t words = 0;  // int32 words per instance
+
+  static constexpr int64_t kOffSlots = 4;
 
   static TableShape make(int leader_len, int follower_len, int max_leaders, int max_followers) {
     TableShape s;
@@ -58,8 +62,7 @@ struct TableShape {
     while (s.hash_cap < 2 * max_leaders) s.hash_cap *= 2;
     s.entry = follower_len + 2;
     s.record = 4 + leader_len + max_followers * s.entry;
-    s.off_records = 4 + 2 * static_cast<int64_t>(s.hash_cap);
-    s.words = s.off_records + static_cast<int64_t>(max_leaders) * s.record;
+    s.words = kOffSlots + static_cast<int64_t>(s.hash_cap) * s.record;
     return s;
   }
 };
@@ -94,7 +97,7 @@ class Table {
   int mru() const { return w_[2]; }
   int prev(int leader) const { return rec(leader)[kPrev]; }
   int next(int leader) const { return rec(leader)[kNext]; }
-  int num_followers(int leader) const { return rec(leader)[kNfol]; }
+  int num_followers(int leader) const { return rec(leader)[kState] - 1; }
   const int32_t* key(int leader) const { return rec(leader) + kKey; }
   // Follower j (0 = most recent) of a leader's row.
   const int32_t* follower(int leader, int j) const { return entry(leader, j); }
@@ -109,54 +112,74 @@ class Table {
     w_[1] = -1;
     w_[2] = -1;
     w_[3] = 0;
-    int32_t* hash = w_ + 4;
-    for (int i = 0; i < s_->hash_cap; ++i) hash[2 * i] = -1;
+    for (int i = 0; i < s_->hash_cap; ++i) rec(i)[kState] = 0;
   }
 
-  // Index of the leader with these leader_len tokens, or -1.
-  int find(const int32_t* leader) const {
-    const uint32_t h = hash_tokens(leader, s_->leader_len);
+  // Slot of the leader with these leader_len tokens, or -1.
+  int find(const int32_t* leader) const { return find(leader, hash_of(leader)); }
+  int find(const int32_t* leader, uint32_t h) const {
     const uint32_t mask = static_cast<uint32_t>(s_->hash_cap - 1);
-    const int32_t* hash = w_ + 4;
     for (uint32_t pos = h & mask;; pos = (pos + 1) & mask) {
-      const int32_t idx = hash[2 * pos];
-      if (idx < 0) return -1;
-      if (static_cast<uint32_t>(hash[2 * pos + 1]) == h &&
-          same_tokens(key(idx), leader, s_->leader_len)) {
-        return idx;
+      const int32_t* r = rec(static_cast<int>(pos));
+      if (r[kState] == 0) return -1;
+      if (static_cast<uint32_t>(r[kTag]) == h && same_tokens(r + kKey, leader, s_->leader_len)) {
+        return static_cast<int>(pos);
       }
     }
   }
 
+  uint32_t hash_of(const int32_t* leader) const { return hash_tokens(leader, s_->leader_len); }
+
   // Prefetch hints for batched callers, which know later rows' leaders ahead of time. Each
-  // stage assumes the previous one has landed: stage 0 pulls in the leader's home bucket;
-  // stage 1 the record the bucket points to (or, for a new leader in a full table, the least
-  // recent leader's record, which the insert will evict); stage 2 the records an insert or a
-  // touch relinks (the LRU neighbours and the current most recent leader). Hints only: reading
-  // a stale bucket or record here is harmless.
-  void prefetch(const int32_t* leader, int stage) const {
-    const uint32_t h = hash_tokens(leader, s_->leader_len);
-    const int32_t* b = w_ + 4 + 2 * (h & static_cast<uint32_t>(s_->hash_cap - 1));
+  // stage assumes the previous one has landed: stage 0 pulls in the leader's home slot (whose
+  // record is the leader's in the common case) and the table's meta words; stage 1, for a hit in
+  // the home slot, the records a touch relinks (the LRU neighbours and the most recent leader);
+  // stages 1, 2, 3, ..., for a new leader in a full table, the records of the 1st, 2nd, 3rd, ...
+  // least recent leaders (see below). Hints only: reading a stale slot or record is harmless.
+  // `insert` says whether the caller will insert (else it only looks up and touches).
+  void prefetch(uint32_t h, int stage, bool insert) const {
+    const int home = static_cast<int>(h & static_cast<uint32_t>(s_->hash_cap - 1));
+    const int32_t* r = rec(home);
     if (stage == 0) {
-      __builtin_prefetch(b);
+      prefetch_record(home);
+      __builtin_prefetch(w_, 1);
       return;
     }
-    const bool hit = b[0] >= 0 && static_cast<uint32_t>(b[1]) == h;
-    const bool evicts = !hit && w_[0] == s_->max_leaders;
-    if (!hit && !evicts) return;
-    const int32_t* r = rec(hit ? b[0] : w_[1]);
-    if (stage == 1) {
-      __builtin_prefetch(r, 1);
-      __builtin_prefetch(r + 16, 1);
+    const bool hit = r[kState] != 0 && static_cast<uint32_t>(r[kTag]) == h;
+    if (hit) {
+      if (stage != 1) return;
+      if (r[kPrev] >= 0) __builtin_prefetch(rec(r[kPrev]), 1);
+      if (r[kNext] >= 0) __builtin_prefetch(rec(r[kNext]), 1);
+      if (w_[2] >= 0) __builtin_prefetch(rec(w_[2]), 1);
       return;
     }
-    if (r[kPrev] >= 0) __builtin_prefetch(rec(r[kPrev]), 1);
-    if (r[kNext] >= 0) __builtin_prefetch(rec(r[kNext]), 1);
+    // A new leader in a full table: an update's e-th new leader evicts the e-th least recent
+    // leader, so stage s walks one link further down the LRU list than stage s - 1 did (whose
+    // record has landed) and prefetches that victim's record, the slot after it (the backward
+    // shift reads it) and the most recent leader's record (push_mru writes it).
+    if (!insert || w_[0] < s_->max_leaders || w_[1] < 0) return;
+    int victim = w_[1];
+    for (int i = 1; i < stage && victim >= 0; ++i) victim = rec(victim)[kNext];
+    if (victim < 0) return;
+    prefetch_record(victim);
+    __builtin_prefetch(rec((victim + 1) & (s_->hash_cap - 1)));
     if (w_[2] >= 0) __builtin_prefetch(rec(w_[2]), 1);
-    if (evicts) {
-      const uint32_t mask = static_cast<uint32_t>(s_->hash_cap - 1);
-      __builtin_prefetch(w_ + 4 + 2 * (static_cast<uint32_t>(r[kTag]) & mask), 1);
-    }
+  }
+
+  // The slot of the leader with hash h if it sits in its home slot (tags only, keys are not
+  // compared, so it may name another leader), else -1. A prefetch hint.
+  int hint(uint32_t h) const {
+    const int home = static_cast<int>(h & static_cast<uint32_t>(s_->hash_cap - 1));
+    const int32_t* r = rec(home);
+    return r[kState] != 0 && static_cast<uint32_t>(r[kTag]) == h ? home : -1;
+  }
+
+  // Every cache line of a slot's record.
+  void prefetch_record(int slot) const {
+    const char* r = reinterpret_cast<const char*>(rec(slot));
+    const char* last = r + 4 * s_->record - 1;
+    for (; r < last; r += 64) __builtin_prefetch(r, 1);
+    __builtin_prefetch(last, 1);
   }
 
   // Makes a leader the most recently used.
@@ -170,32 +193,36 @@ class Table {
   // most recent; a new leader in a full table evicts the least recently used leader with its
   // row; a new follower in a full row evicts that row's least recently used follower.
   void insert(const int32_t* leader, const int32_t* follower, int64_t stamp) {
-    int idx = find(leader);
+    const uint32_t h = hash_of(leader);
+    int idx = find(leader, h);
     if (idx >= 0) {
       touch(idx);
     } else {
-      idx = add_leader(leader);
+      idx = add_leader(leader, h);
     }
     insert_follower(idx, follower, stamp);
   }
 
-  // Adds a leader that is not in the table (find() < 0) as the most recent, with an empty row;
-  // a full table first evicts its least recently used leader with that leader's row.
-  int add_leader(const int32_t* leader) {
-    int idx;
+  // Adds a leader that is not in the table (find() < 0) as the most recent, with an empty row,
+  // and returns its slot; a full table first evicts its least recently used leader with that
+  // leader's row (which may move other leaders to other slots).
+  int add_leader(const int32_t* leader) { return add_leader(leader, hash_of(leader)); }
+  int add_leader(const int32_t* leader, uint32_t h) {
     if (w_[0] < s_->max_leaders) {
-      idx = w_[0]++;
+      ++w_[0];
     } else {
-      idx = w_[1];
-      unlink(idx);
-      hash_erase(idx);
+      const int victim = w_[1];
+      unlink(victim);
+      erase_slot(victim);
     }
+    const uint32_t mask = static_cast<uint32_t>(s_->hash_cap - 1);
+    uint32_t pos = h & mask;
+    while (rec(static_cast<int>(pos))[kState] != 0) pos = (pos + 1) & mask;
+    const int idx = static_cast<int>(pos);
     int32_t* r = rec(idx);
     std::memcpy(r + kKey, leader, sizeof(int32_t) * s_->leader_len);
-    const uint32_t h = hash_tokens(leader, s_->leader_len);
     r[kTag] = static_cast<int32_t>(h);
-    r[kNfol] = 0;
-    hash_insert(idx, h);
+    r[kState] = 1;
     push_mru(idx);
     return idx;
   }
@@ -203,7 +230,7 @@ class Table {
   // Appends a follower as the least recent of a row that has room (deserialisation; the caller
   // checks the room and that the follower is new).
   void append_follower(int leader, const int32_t* follower, int64_t stamp) {
-    const int j = rec(leader)[kNfol]++;
+    const int j = rec(leader)[kState]++ - 1;
     write_entry(entry(leader, j), follower, stamp);
   }
 
@@ -216,30 +243,31 @@ class Table {
   }
 
  private:
-  enum : int { kPrev = 0, kNext = 1, kNfol = 2, kTag = 3, kKey = 4 };
+  enum : int { kPrev = 0, kNext = 1, kState = 2, kTag = 3, kKey = 4 };
 
-  int32_t* rec(int leader) const { return w_ + s_->off_records + int64_t{leader} * s_->record; }
+  int32_t* rec(int slot) const { return w_ + TableShape::kOffSlots + int64_t{slot} * s_->record; }
   int32_t* entry(int leader, int j) const {
     return rec(leader) + kKey + s_->leader_len + j * s_->entry;
   }
 
   void write_entry(int32_t* e, const int32_t* follower, int64_t stamp) {
-    std::memcpy(e, follower, sizeof(int32_t) * s_->follower_len);
+    for (int i = 0; i < s_->follower_len; ++i) e[i] = follower[i];
     std::memcpy(e + s_->follower_len, &stamp, sizeof(stamp));
   }
 
   void insert_follower(int leader, const int32_t* follower, int64_t stamp) {
     int32_t* r = rec(leader);
-    const int n = r[kNfol];
+    const int n = r[kState] - 1;
     int j = find_follower(leader, follower);
     if (j < 0) {
       // A new follower: the least recent one falls off the end of a full row.
       j = n < s_->max_followers ? n : n - 1;
-      if (n < s_->max_followers) r[kNfol] = n + 1;
+      if (n < s_->max_followers) r[kState] = n + 2;
     }
     // Shift the more recent entries 0 .. j-1 down by one and put this one first.
     int32_t* row = entry(leader, 0);
-    std::memmove(row + s_->entry, row, sizeof(int32_t) * s_->entry * j);
+    // A few words: a plain loop (backwards, the ranges overlap) beats a call to memmove.
+    for (int i = s_->entry * j - 1; i >= 0; --i) row[s_->entry + i] = row[i];
     write_entry(row, follower, stamp);
   }
 
@@ -267,36 +295,37 @@ class Table {
     w_[2] = leader;
   }
 
-  void hash_insert(int leader, uint32_t h) {
+  // Empties a slot whose leader is already unlinked from the LRU list. Backward-shift deletion:
+  // later records of the probe run move up into the hole unless their home slot lies cyclically
+  // after the hole, so lookups never need tombstones; a moved record's LRU neighbours (or the
+  // list's ends) are pointed at its new slot.
+  void erase_slot(int slot) {
     const uint32_t mask = static_cast<uint32_t>(s_->hash_cap - 1);
-    int32_t* hash = w_ + 4;
-    uint32_t pos = h & mask;
-    while (hash[2 * pos] >= 0) pos = (pos + 1) & mask;
-    hash[2 * pos] = leader;
-    hash[2 * pos + 1] = static_cast<int32_t>(h);
-  }
-
-  // Backward-shift deletion: later entries of the probe run move up into the hole unless their
-  // home bucket lies cyclically after the hole, so lookups never need tombstones.
-  void hash_erase(int leader) {
-    const uint32_t mask = static_cast<uint32_t>(s_->hash_cap - 1);
-    int32_t* hash = w_ + 4;
-    uint32_t hole = static_cast<uint32_t>(rec(leader)[kTag]) & mask;
-    while (hash[2 * hole] != leader) hole = (hole + 1) & mask;
+    uint32_t hole = static_cast<uint32_t>(slot);
     for (uint32_t j = (hole + 1) & mask;; j = (j + 1) & mask) {
-      const int32_t idx = hash[2 * j];
-      if (idx < 0) break;
-      const uint32_t home = static_cast<uint32_t>(hash[2 * j + 1]) & mask;
-      // The entry at j may fill the hole iff its home is not in the cyclic range (hole, j].
+      const int32_t* rj = rec(static_cast<int>(j));
+      if (rj[kState] == 0) break;
+      const uint32_t home = static_cast<uint32_t>(rj[kTag]) & mask;
+      // The record at j may fill the hole iff its home is not in the cyclic range (hole, j].
       const bool home_in_range =
           hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
       if (!home_in_range) {
-        hash[2 * hole] = idx;
-        hash[2 * hole + 1] = hash[2 * j + 1];
+        int32_t* rh = rec(static_cast<int>(hole));
+        const int used = kKey + s_->leader_len + (rj[kState] - 1) * s_->entry;
+        std::memcpy(rh, rj, sizeof(int32_t) * used);
+        const int to = static_cast<int>(hole);
+        if (rh[kPrev] >= 0)
+          rec(rh[kPrev])[kNext] = to;
+        else
+          w_[1] = to;
+        if (rh[kNext] >= 0)
+          rec(rh[kNext])[kPrev] = to;
+        else
+          w_[2] = to;
         hole = j;
       }
     }
-    hash[2 * hole] = -1;
+    rec(static_cast<int>(hole))[kState] = 0;
   }
 
   const TableShape* s_;
