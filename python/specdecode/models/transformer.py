@@ -177,7 +177,7 @@ class _InferenceWeights:
     * every weight is stored transposed, ``[in, out]`` contiguous: on the CPU, ``x @ w_t`` with
       few rows streams the weight once, while ``F.linear``'s ``[out, in]`` layout was measured
       at 1.2x to 2x slower for 1 to 16 rows on this project's small models (see
-      ``bench/RESULTS.md``, ``## engine``);
+      ``bench/RESULTS.md``, ``## e2e``);
     * RoPE cos/sin are tables over every position, indexed instead of recomputed.
 
     The copies cost one more copy of the weights in memory. Invariant: they equal the parameters
