@@ -456,3 +456,107 @@ def test_lossy_method_runs_and_is_exposed(target, draft_model):
 def test_package_exports():
     for name in ("models", "drafters", "engine", "generate", "SpeculativeDecoder"):
         assert hasattr(specdecode, name) and name in specdecode.__all__
+
+
+# ---- adaptive node budget ------------------------------------------------------------------------
+
+from specdecode.engine import AdaptiveBudget  # noqa: E402
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_adaptive_budget_keeps_greedy_identity(batch, target, references):
+    prompts, expected = references
+    budget = AdaptiveBudget((1, 2, 4, 8, 12), explore_every=3)
+    drafter = CachebackDrafter(max_nodes=12, max_depth=8, max_sequences=16)
+    out = SpeculativeDecoder(target, drafter, budget=budget).generate(
+        prompts[:batch], max_new_tokens=16, temperature=0.0
+    )
+    assert out.sequences == expected[:batch]
+    assert len(out.stats.node_budgets) == out.stats.steps
+    assert set(out.stats.node_budgets) <= {1, 2, 4, 8, 12}
+    # The first step explores the largest budget; the estimates then cover every candidate.
+    assert out.stats.node_budgets[0] == 12
+    assert set(budget.expected_tokens) == {1, 2, 4, 8, 12}
+    assert all(1.0 <= v <= 13.0 for v in budget.expected_tokens.values())
+
+
+def test_adaptive_budget_follows_the_cost():
+    # Measured acceptance: budget n accepts n - 1 tokens half of the time.
+    def steps(budget: AdaptiveBudget, cost_free_after: int) -> list[int]:
+        chosen = []
+        for _ in range(cost_free_after):
+            n = budget.choose(None, _FakeCache(1), rows=1, limit=16)
+            chosen.append(n)
+            path = torch.arange(n, dtype=torch.int32).unsqueeze(0)
+            budget.observe(path, torch.tensor([n - 1]), torch.tensor([0]), n)
+        return chosen
+
+    cheap_nodes = AdaptiveBudget((1, 4, 16), explore_every=100, cost=lambda b, n: 1.0)
+    assert steps(cheap_nodes, 5)[1:] == [16] * 4
+    dear_nodes = AdaptiveBudget((1, 4, 16), explore_every=100, cost=lambda b, n: float(n**2))
+    assert steps(dear_nodes, 5)[1:] == [1] * 4
+    explore = AdaptiveBudget((1, 4, 16), explore_every=2, cost=lambda b, n: float(n**2))
+    assert steps(explore, 6) == [16, 1, 16, 1, 16, 1]
+
+
+def test_adaptive_budget_counterfactual_acceptance():
+    budget = AdaptiveBudget((1, 3, 6, 9), decay=0.5, cost=lambda b, n: 1.0)
+    # Row 0 accepted nodes 2, 5 and 7 (path 0 -> 2 -> 5 -> 7); row 1 nothing; row 2 is not running.
+    path = torch.tensor([[0, 2, 5, 7], [0, -1, -1, -1], [0, 1, 2, 3]], dtype=torch.int32)
+    budget.observe(path, torch.tensor([3, 0, 3]), torch.tensor([0, 1]), 9)
+    # Within the first 1, 3, 6, 9 nodes row 0 keeps 0, 1, 2, 3 accepted tokens, row 1 none.
+    assert budget.expected_tokens == {1: 1.0, 3: 1.5, 6: 2.0, 9: 2.5}
+    # A step at budget 3 updates only the budgets it can speak for (moving average, decay 0.5).
+    budget.observe(path[:1], torch.tensor([1]), torch.tensor([0]), 3)
+    assert budget.expected_tokens == {1: 1.0, 3: 1.75, 6: 2.0, 9: 2.5}
+
+
+def test_adaptive_budget_rejects_bad_arguments(target):
+    with pytest.raises(TypeError, match="candidates"):
+        AdaptiveBudget([])
+    with pytest.raises(ValueError, match="candidates"):
+        AdaptiveBudget((0, 4))
+    with pytest.raises(ValueError, match="explore_every"):
+        AdaptiveBudget(explore_every=0)
+    with pytest.raises(ValueError, match="decay"):
+        AdaptiveBudget(decay=1.0)
+    with pytest.raises(TypeError, match="cost"):
+        AdaptiveBudget(cost=3)
+    with pytest.raises(TypeError, match="budget"):
+        SpeculativeDecoder(target, NoDrafter(), budget=8)
+
+
+def test_adaptive_budget_measures_costs_on_the_live_cache(target, references):
+    prompts, expected = references
+    budget = AdaptiveBudget((1, 4, 8), explore_every=4)
+    drafter = CachebackDrafter(max_nodes=8, max_depth=6, max_sequences=4)
+    out = SpeculativeDecoder(target, drafter, budget=budget).generate(
+        prompts[:2], max_new_tokens=16, temperature=0.0
+    )
+    # The timing passes were rolled back: the output is the target's own.
+    assert out.sequences == expected[:2]
+    costs = engine_module._MEASURED_COSTS[target][2]
+    assert set(costs) == {1, 4, 8} and all(c > 0 for c in costs.values())
+
+
+class _FakeCache:
+    def __init__(self, batch: int) -> None:
+        self.batch_size = batch
+
+
+import specdecode.engine as engine_module  # noqa: E402
+
+
+def test_stats_totals_match_the_per_position_counts(target, draft_model, references):
+    prompts, _ = references
+    out = generate(target, prompts[:3], drafter=ModelDrafter(draft_model, k=3), max_new_tokens=12)
+    s = out.stats
+    assert s.offered_depth == sum(s.offered_by_position) > 0
+    assert s.accepted_tokens == sum(s.accepted_counts_by_position)
+    assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.offered_depth)
+    for rate, a, o in zip(
+        s.accepted_by_position, s.accepted_counts_by_position, s.offered_by_position
+    ):
+        assert rate == pytest.approx(a / o if o else 0.0)
+    # Every token beyond one per row-step is an accepted draft.
+    assert s.new_tokens - s.row_steps <= s.accepted_tokens

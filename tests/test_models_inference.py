@@ -324,3 +324,78 @@ def test_chain_longer_than_the_kernel_limit_is_chunked():
         torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     )
     assert int(cache.lengths[0]) == 3
+
+
+# ---- the fused inference weights -----------------------------------------------------------------
+
+
+def _incremental_logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    cache = model.new_cache(ids.shape[0], 64)
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    return model.forward(ids, positions, cache)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_inference_copies_follow_parameter_updates(tmp_path, bias):
+    theirs = hf_model("qwen2" if bias else "llama")
+    theirs.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(_incremental_logits(ours, ids), hf_logits(theirs, ids), **TOL)
+    # In-place updates (what optimizers and load_state_dict do) must reach the fused copies.
+    with torch.no_grad():
+        ours.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+        ours.model.layers[1].mlp.up_proj.weight.add_(0.01)
+        theirs.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+        theirs.model.layers[1].mlp.up_proj.weight.add_(0.01)
+    torch.testing.assert_close(_incremental_logits(ours, ids), hf_logits(theirs, ids), **TOL)
+    torch.testing.assert_close(_incremental_logits(ours, ids), ours.forward_train(ids), **TOL)
+    fresh = Transformer.from_pretrained(tmp_path)
+    ours.load_state_dict(fresh.state_dict())
+    torch.testing.assert_close(
+        _incremental_logits(ours, ids), _incremental_logits(fresh, ids), rtol=0, atol=0
+    )
+    # .to() replaces the storage: the copies are rebuilt in the new dtype.
+    ours.to(torch.float64)
+    assert _incremental_logits(ours, ids).dtype == torch.float64
+
+
+def test_state_dict_round_trip_is_unchanged_by_inference(tmp_path):
+    theirs = hf_model("llama")
+    theirs.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    _incremental_logits(ours, torch.randint(0, V, (1, 5)))
+    after = ours.state_dict()
+    assert list(after) == list(before)  # the Hugging Face names, no fused tensors
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    ours.save_pretrained(tmp_path / "again")
+    again = Transformer.from_pretrained(tmp_path / "again")
+    assert all(torch.equal(before[k], again.state_dict()[k]) for k in before)
+
+
+def test_compact_of_a_prefix_path_equals_the_general_move():
+    model = Transformer(ModelConfig(**{**BASE, "model_type": "llama"}))
+    ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(7))
+    keep = torch.tensor([4, 2], dtype=torch.int32)
+    caches = []
+    for path in ([[0, 1, 2, 3], [0, 1, -1, -1]], [[0, 1, 2, 3], [0, 2, -1, -1]]):
+        cache = model.new_cache(2, 32)
+        model.forward(ids[:, :2], torch.arange(2).expand(2, 2), cache)
+        model.forward(ids[:, 2:], (2 + torch.arange(4)).expand(2, 4), cache)
+        cache.compact(torch.tensor(path, dtype=torch.int32), keep)
+        caches.append(cache)
+    prefix, moved = caches
+    # The prefix path needed no move (a truncate); both keep 2 + 4 and 2 + 2 tokens.
+    assert prefix.lengths.tolist() == moved.lengths.tolist() == [6, 4]
+    assert prefix._host_lengths.tolist() == [6, 4]
+    nxt = ids[:, :1]
+    got = model.forward(nxt, prefix.lengths.long().unsqueeze(1), prefix)
+    # Reference: a cache filled with the kept tokens directly.
+    ref = model.new_cache(2, 32)
+    model.forward(ids, torch.arange(6).expand(2, 6), ref)
+    ref.truncate([6, 4])
+    torch.testing.assert_close(got, model.forward(nxt, ref.lengths.long().unsqueeze(1), ref), **TOL)
+    # Row 0 of the moved cache kept the same prefix path: same result there.
+    other = model.forward(nxt, moved.lengths.long().unsqueeze(1), moved)
+    torch.testing.assert_close(other[0], got[0], **TOL)

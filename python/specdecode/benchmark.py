@@ -58,6 +58,9 @@ __all__ = [
 DATASETS = ("humaneval", "prose")
 SPECDECODE_METHODS = ("autoregressive", "cacheback", "model chain", "model tree")
 HF_METHODS = ("autoregressive", "prompt lookup", "assisted (draft)")
+# Node budgets (root included) the Cacheback rows' AdaptiveBudget chooses from: chain lengths
+# 0, 1, 2, 4, 6, 8, 12 and 16 drafts.
+CACHEBACK_BUDGETS = (1, 2, 3, 5, 7, 9, 13, 17)
 
 
 @dataclasses.dataclass
@@ -100,7 +103,7 @@ class BenchConfig:
     tokenizer: Optional[str] = None
     datasets: Sequence[str] = DATASETS
     num_prompts: int = 8
-    max_new_tokens: int = 32
+    max_new_tokens: int = 128
     max_prompt_tokens: int = 192
     repeats: int = 3
     batch_sizes: Sequence[int] = (1, 8)
@@ -331,7 +334,10 @@ def _make_drafter(method: str, models: _Models, batch: int) -> Any:
     if method == "autoregressive":
         return NoDrafter()
     if method == "cacheback":
-        return CachebackDrafter(max_sequences=batch, max_nodes=16, max_depth=8)
+        # A chain (each leader's most recent follower, up to 16 deep) under an adaptive node
+        # budget: on the bundled pair a chain accepts more tokens per scored node than a tree
+        # (bench/RESULTS.md, ## e2e), and the budget sizes it to the measured cost of a pass.
+        return CachebackDrafter(max_sequences=batch, chain=True, max_nodes=17, max_depth=16)
     if method == "model chain":
         return ModelDrafter(models.ours_draft, mode="chain", k=4)
     if method == "model tree":
@@ -349,14 +355,17 @@ def _run_ours(
     seed: int,
 ) -> tuple[float, list[list[int]], int, int, int, int]:
     """One timed pass: (seconds, outputs, new tokens, target passes, accepted, offered)."""
-    from .engine import SpeculativeDecoder
+    from .engine import AdaptiveBudget, SpeculativeDecoder
 
     outputs: list[list[int]] = []
     steps = accepted = offered = new_tokens = 0
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
-        decoder = SpeculativeDecoder(models.ours_target, _make_drafter(method, models, len(chunk)))
+        budget = AdaptiveBudget(CACHEBACK_BUDGETS) if method == "cacheback" else None
+        decoder = SpeculativeDecoder(
+            models.ours_target, _make_drafter(method, models, len(chunk)), budget=budget
+        )
         out = decoder.generate(chunk, max_new_tokens=new, temperature=temperature, seed=seed + i)
         outputs.extend(out.sequences)
         s = out.stats
@@ -364,8 +373,8 @@ def _run_ours(
         new_tokens += s.new_tokens
         # Per-depth counters: summing over depths gives accepted draft tokens and the total
         # draft depth offered (a tree offers its depth, not its node count).
-        accepted += sum(s._accepted)
-        offered += sum(s._offered)
+        accepted += s.accepted_tokens
+        offered += s.offered_depth
     return time.perf_counter() - t0, outputs, new_tokens, steps, accepted, offered
 
 
@@ -806,7 +815,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="sentencepiece .model file or tokenizer directory")
     p.add_argument("--datasets", default="humaneval,prose", help="comma list of humaneval,prose")
     p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=192)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-sizes", default="1,8", help="specdecode batch sizes, comma list")

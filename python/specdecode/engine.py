@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -30,7 +31,13 @@ import torch
 from . import ops
 from .drafters import Drafter, NoDrafter
 
-__all__ = ["GenerationOutput", "GenerationStats", "SpeculativeDecoder", "generate"]
+__all__ = [
+    "AdaptiveBudget",
+    "GenerationOutput",
+    "GenerationStats",
+    "SpeculativeDecoder",
+    "generate",
+]
 
 _METHODS = ("exact", "greedy", "typical", "relaxed", "topk_accept")
 
@@ -50,6 +57,13 @@ class GenerationStats:
     accepted_by_position : list of float
         Entry ``d - 1``: of the row-steps whose draft reached depth ``d``, the fraction in which
         the draft token at depth ``d`` was accepted.
+    offered_by_position, accepted_counts_by_position : list of int
+        The counts behind ``accepted_by_position``: entry ``d - 1`` is the number of row-steps
+        whose draft reached depth ``d``, resp. in which the draft token at depth ``d`` was
+        accepted.
+    node_budgets : list of int
+        Node budget (root included) used at each step: the engine's ``max_nodes`` or, with an
+        :class:`AdaptiveBudget`, its choice.
     draft_time, verify_time, bookkeeping_time, prefill_time, wall_time : float
         Seconds: drafting (propose + tree pruning), the target forward over the trees plus
         :func:`~specdecode.ops.verify`, everything else in the loop (cache compaction, commit,
@@ -65,8 +79,26 @@ class GenerationStats:
     bookkeeping_time: float = 0.0
     prefill_time: float = 0.0
     wall_time: float = 0.0
-    _offered: list[int] = dataclasses.field(default_factory=list, repr=False)
-    _accepted: list[int] = dataclasses.field(default_factory=list, repr=False)
+    offered_by_position: list[int] = dataclasses.field(default_factory=list, repr=False)
+    accepted_counts_by_position: list[int] = dataclasses.field(default_factory=list, repr=False)
+    node_budgets: list[int] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens accepted, over all sequences and steps."""
+        return sum(self.accepted_counts_by_position)
+
+    @property
+    def offered_depth(self) -> int:
+        """Draft depth offered (sum over row-steps of the draft's depth; a tree offers its
+        depth, not its node count): the denominator of :attr:`acceptance_rate`."""
+        return sum(self.offered_by_position)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / draft depth offered (0.0 when nothing was drafted)."""
+        offered = self.offered_depth
+        return self.accepted_tokens / offered if offered else 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -79,14 +111,15 @@ class GenerationStats:
         return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
     def _record(self, depths: np.ndarray, accepted: np.ndarray) -> None:
+        offered, taken = self.offered_by_position, self.accepted_counts_by_position
         deepest = int(depths.max()) if depths.size else 0
-        while len(self._offered) < deepest:
-            self._offered.append(0)
-            self._accepted.append(0)
+        while len(offered) < deepest:
+            offered.append(0)
+            taken.append(0)
         for d in range(1, deepest + 1):
-            self._offered[d - 1] += int((depths >= d).sum())
-            self._accepted[d - 1] += int((accepted >= d).sum())
-        pairs = zip(self._accepted, self._offered)
+            offered[d - 1] += int((depths >= d).sum())
+            taken[d - 1] += int((accepted >= d).sum())
+        pairs = zip(taken, offered)
         self.accepted_by_position = [a / o if o else 0.0 for a, o in pairs]
 
     def summary(self) -> str:
@@ -176,6 +209,215 @@ class _Tree:
     mask: torch.Tensor  # uint32 [B, N, W]
 
 
+# Forward-pass costs measured by AdaptiveBudget, per target model and batch size: a target's cost
+# curve does not change between generate() calls, so it is measured once per process.
+_MEASURED_COSTS: weakref.WeakKeyDictionary[Any, dict[int, dict[int, float]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class AdaptiveBudget:
+    """Chooses each step's draft-tree size: the node budget with the most expected tokens per
+    second of step time, from acceptance and costs measured while decoding.
+
+    A bigger tree accepts more tokens per target pass but costs more per pass, and where that
+    trade lands depends on the drafter, the text, the model, the batch size and the hardware
+    (a small target on a CPU is compute-bound over a 16-node tree). This policy measures both
+    sides instead of fixing a size:
+
+    * **tokens**: a step whose tree was pruned to its first ``n`` nodes tells what every budget
+      ``m <= n`` would have accepted, since nodes are numbered parents first and the accepted
+      path of the ``m``-node tree is the part of the accepted path with node index ``< m``. An
+      exponential moving average per candidate of ``1 + accepted`` (tokens per row-step) is kept;
+      every ``explore_every`` steps the largest candidate is used so the big budgets stay
+      measured.
+    * **cost**: the target's forward time at each candidate size for the batch size at hand,
+      timed once per target model and batch size on the live cache (a few passes that are rolled
+      back), plus the measured rest of a step (drafting, verification, bookkeeping), or the
+      ``cost`` callable when given (deterministic choices, e.g. for tests).
+
+    The step uses ``argmax_n rows * tokens[n] / (cost(batch, n) + overhead)``. The choice only
+    changes which drafts are scored, never what is accepted: greedy outputs are identical to the
+    target's, and exact verification keeps the sampled distribution, whatever the budgets.
+    With measured costs the budgets (not the greedy tokens) depend on timing.
+
+    Parameters
+    ----------
+    candidates : sequence of int
+        Node budgets (root included) to choose from, each in ``[1, 1024]``; clipped to the
+        engine's ``max_nodes`` and the drafter's ``max_nodes`` when it has one.
+    explore_every : int
+        Use the largest candidate every this many steps (>= 1; 1 always uses it).
+    decay : float
+        Weight of the past in the moving averages, in ``[0, 1)``.
+    cost : callable ``(batch, nodes) -> float``, optional
+        Seconds (or any proportional unit) of a step that scores ``nodes`` nodes for each of
+        ``batch`` sequences. None: measured (see above).
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32),
+        *,
+        explore_every: int = 8,
+        decay: float = 0.9,
+        cost: Optional[Callable[[int, int], float]] = None,
+    ) -> None:
+        cands = list(candidates) if isinstance(candidates, (list, tuple, range)) else None
+        if not cands or any(isinstance(c, bool) or not isinstance(c, int) for c in cands):
+            raise TypeError(
+                f"candidates: expected a non-empty sequence of ints, got {candidates!r}"
+            )
+        if any(not 1 <= c <= ops.MAX_TREE_NODES for c in cands):
+            raise ValueError(
+                f"candidates: expected values in [1, {ops.MAX_TREE_NODES}], got {cands}"
+            )
+        if isinstance(explore_every, bool) or not isinstance(explore_every, int):
+            raise TypeError(f"explore_every: expected an int, got {explore_every!r}")
+        if explore_every < 1:
+            raise ValueError(f"explore_every: expected >= 1, got {explore_every}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
+            raise ValueError(f"decay: expected a number in [0, 1), got {decay!r}")
+        if cost is not None and not callable(cost):
+            raise TypeError(f"cost: expected a callable (batch, nodes) -> float, got {cost!r}")
+        self.candidates = sorted(set(cands))
+        self.explore_every = explore_every
+        self.decay = float(decay)
+        self.cost = cost
+        self._tokens: dict[int, float] = {}  # candidate -> EMA of tokens per row-step
+        self._overhead: Optional[float] = None  # EMA of a step's time outside the forward
+        self._steps = 0
+        self._target_ref: Any = (
+            None  # the target of the last choose() (whose costs observe refines)
+        )
+        self._costs: dict[
+            int, dict[int, float]
+        ] = {}  # fallback when the target is not weak-refable
+
+    @property
+    def expected_tokens(self) -> dict[int, float]:
+        """Measured tokens per row-step of each candidate seen so far (a copy)."""
+        return dict(self._tokens)
+
+    def _usable(self, limit: int) -> list[int]:
+        usable = [c for c in self.candidates if c <= limit]
+        return usable or [max(1, limit)]
+
+    def _known_costs(self, target: Any, batch: int) -> dict[int, float]:
+        if target is None:
+            return {}
+        try:
+            per_target = _MEASURED_COSTS.setdefault(target, {})
+        except TypeError:
+            per_target = self._costs
+        return per_target.setdefault(batch, {})
+
+    def _forward_costs(self, target: Any, cache: Any, batch: int, sizes: list[int]) -> dict:
+        known = self._known_costs(target, batch)
+        missing = [n for n in sizes if n not in known]
+        if missing:
+            known.update(_time_forwards(target, cache, missing))
+        return known
+
+    def choose(self, target: Any, cache: Any, rows: int, limit: int) -> int:
+        """The budget of the next step for ``rows`` running sequences (``limit``: the most the
+        engine and drafter allow)."""
+        usable = self._usable(limit)
+        step = self._steps
+        self._steps += 1
+        if step % self.explore_every == 0 or any(n not in self._tokens for n in usable):
+            return usable[-1]
+        batch = int(cache.batch_size)
+        if self.cost is not None:
+            costs = {n: float(self.cost(batch, n)) for n in usable}
+        else:
+            costs = self._forward_costs(target, cache, batch, usable)
+        overhead = self._overhead or 0.0
+        best, best_rate = usable[-1], -1.0
+        for n in usable:
+            rate = rows * self._tokens[n] / max(costs[n] + overhead, 1e-12)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+    def observe(
+        self,
+        path: torch.Tensor,
+        num_accepted: torch.Tensor,
+        rows: torch.Tensor,
+        budget: int,
+        forward_seconds: Optional[float] = None,
+        batch: Optional[int] = None,
+        target: Any = None,
+    ) -> None:
+        """Updates the token estimates (and the measured cost of ``budget``) from a verified step.
+
+        Parameters
+        ----------
+        path : torch.Tensor
+            int ``[B, P]`` on the CPU: accepted node indices, root first (``ops.verify``'s path).
+        num_accepted : torch.Tensor
+            int ``[B]``: accepted draft tokens per row.
+        rows : torch.Tensor
+            int64 indices of the rows that were running.
+        budget : int
+            The node budget the step used (its trees held at most that many nodes).
+        forward_seconds, batch, target : float, int and CausalLM, optional
+            The step's target forward time, cache batch size and target: with measured costs (no
+            ``cost`` callable) they refine the cost of ``budget`` for that batch size (a moving
+            average, so one slow pass on a busy machine does not fix the choice for good).
+        """
+        if forward_seconds is not None and batch is not None and self.cost is None:
+            known = self._known_costs(target, batch)
+            if budget in known:
+                known[budget] = self.decay * known[budget] + (1 - self.decay) * forward_seconds
+        if rows.numel() == 0:
+            return
+        path = path[rows].to(torch.int64)
+        acc = num_accepted[rows].to(torch.int64)
+        j = torch.arange(path.shape[1]).unsqueeze(0)
+        on_path = (j >= 1) & (j <= acc.unsqueeze(1))  # [R, P]: accepted draft nodes
+        seen = [n for n in self.candidates if n <= budget] or [budget]
+        sizes = torch.tensor(seen, dtype=torch.int64)
+        # accepted within the first n nodes, per row and candidate: [R, C]
+        within = ((path.unsqueeze(-1) < sizes) & on_path.unsqueeze(-1)).sum(dim=1)
+        tokens = (1.0 + within.to(torch.float64)).mean(dim=0).tolist()
+        for n, value in zip(seen, tokens):
+            old = self._tokens.get(n)
+            self._tokens[n] = value if old is None else self.decay * old + (1 - self.decay) * value
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Updates the moving average of a step's time outside the target's forward pass."""
+        old = self._overhead
+        self._overhead = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+
+def _time_forwards(target: Any, cache: Any, sizes: Sequence[int]) -> dict[int, float]:
+    """Seconds of one target forward over a chain of ``n`` nodes per row for each ``n``, on the
+    live cache (rolled back after each pass); the fastest of 3 passes."""
+    batch = int(cache.batch_size)
+    lengths = cache.lengths.to("cpu", torch.int64).clone()
+    room = int(cache.max_length) - int(lengths.max())
+    device = target.device
+    out: dict[int, float] = {}
+    for n in sizes:
+        if n > room:
+            out[n] = float("inf")
+            continue
+        parents = ops.chain_parents(batch, n - 1).to(torch.int32)
+        mask = ops.tree_info(parents).mask.to(device)
+        tokens = torch.zeros((batch, n), dtype=torch.int64, device=device)
+        positions = (lengths.unsqueeze(1) + torch.arange(n)).to(device)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            target.forward(tokens, positions, cache, tree_mask=mask)
+            best = min(best, time.perf_counter() - t0)
+            cache.truncate(lengths)
+        out[n] = best
+    return out
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a target model with a drafter, for batches of prompts.
 
@@ -196,6 +438,9 @@ class SpeculativeDecoder:
         (the target cache reserves this many slots beyond the longest sequence).
     progress : bool
         Show a progress bar of generated tokens (tqdm if installed, else a line on stderr).
+    budget : AdaptiveBudget, optional
+        Chooses the node budget of every step (at most ``max_nodes``); None: every step may use
+        ``max_nodes`` nodes.
     **verify_options
         ``eps``, ``alpha``, ``topk_accept``, ``correction`` for the lossy methods.
     """
@@ -208,6 +453,7 @@ class SpeculativeDecoder:
         method: str = "exact",
         max_nodes: int = 64,
         progress: bool = False,
+        budget: Optional[AdaptiveBudget] = None,
         **verify_options: Any,
     ) -> None:
         for attr in ("forward", "new_cache", "vocab_size", "max_length", "device"):
@@ -235,8 +481,11 @@ class SpeculativeDecoder:
                 f"drafter: its vocabulary has {drafter_vocab} tokens, the target's "
                 f"{target.vocab_size}; drafter and target must share one vocabulary"
             )
+        if budget is not None and not isinstance(budget, AdaptiveBudget):
+            raise TypeError(f"budget: expected an AdaptiveBudget or None, got {budget!r}")
         self.target = target
         self.drafter = drafter
+        self.budget = budget
         self.method = method
         self.max_nodes = max_nodes
         self.progress = bool(progress)
@@ -433,23 +682,40 @@ class SpeculativeDecoder:
     ) -> None:
         active = state.active
         t0 = time.perf_counter()
-        tree = self._draft(state, cache, active)
+        budget = self.max_nodes
+        if self.budget is not None:
+            cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
+            budget = self.budget.choose(self.target, cache, len(active), cap)
+        tree = self._draft(state, cache, active, budget)
         t1 = time.perf_counter()
         tokens, positions = self._tree_input(cache, tree)
+        tf = time.perf_counter()
         logits = self.target.forward(tokens, positions, cache, tree_mask=tree.mask)
+        forward_time = time.perf_counter() - tf
         result = self._verify(state, tree, logits)
         t2 = time.perf_counter()
         counts = self._accept(state, cache, result, active)
         committed = self._commit(state, result, active, counts, stops)
         self._update_drafter(state, active, committed)
+        idx = torch.tensor(active, dtype=torch.int64)
+        if self.budget is not None:
+            self.budget.observe(
+                result.path.cpu(),
+                counts,
+                idx,
+                budget,
+                forward_time,
+                int(cache.batch_size),
+                self.target,
+            )
         t3 = time.perf_counter()
+        if self.budget is not None:
+            self.budget.observe_overhead(t3 - t0 - forward_time)
         stats.steps += 1
         stats.row_steps += len(active)
         stats.new_tokens += sum(len(c) for c in committed)
-        idx = torch.tensor(active)
-        stats._record(
-            tree.depth[idx].max(dim=1).values.numpy(), result.num_accepted.cpu()[idx].numpy()
-        )
+        stats.node_budgets.append(budget)
+        stats._record(tree.depth[idx].max(dim=1).values.numpy(), counts[idx].numpy())
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
         stats.bookkeeping_time += t3 - t2
@@ -461,9 +727,9 @@ class SpeculativeDecoder:
                 if row:
                     on_step(b, list(row))
 
-    def _draft(self, state: _Batch, cache: Any, active: list[int]) -> _Tree:
+    def _draft(self, state: _Batch, cache: Any, active: list[int], budget: int) -> _Tree:
         """The drafter's trees for the running rows, root-only trees for the finished ones,
-        pruned to what this step may use."""
+        pruned to what this step may use (at most ``budget`` nodes)."""
         batch = len(state.tokens)
         proposal = self.drafter.propose(active)
         p_tokens = torch.as_tensor(proposal.tokens).to("cpu", torch.int32)
@@ -502,7 +768,7 @@ class SpeculativeDecoder:
         for b in active:
             depth_limit[b] = state.max_new - state.generated(b) - 1
         room = cache.max_length - int(cache.lengths.max())
-        limit = min(self.max_nodes, room)
+        limit = min(budget, room)
         return _prune(tokens, parents, num_nodes, full_probs, depth_limit, limit)
 
     def _tree_input(self, cache: Any, tree: _Tree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -689,6 +955,7 @@ def generate(
     max_nodes: int = 64,
     progress: bool = False,
     on_step: Optional[Callable[[int, list[int]], Any]] = None,
+    budget: Optional[AdaptiveBudget] = None,
 ) -> GenerationOutput:
     """Generates with speculative decoding in one call (see :class:`SpeculativeDecoder`).
 
@@ -702,7 +969,7 @@ def generate(
         Default :class:`~specdecode.drafters.NoDrafter` (plain decoding).
     max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, on_step
         As in :meth:`SpeculativeDecoder.generate`.
-    method, max_nodes, progress
+    method, max_nodes, progress, budget
         As in :class:`SpeculativeDecoder`.
 
     Returns
@@ -711,7 +978,7 @@ def generate(
         Generated tokens per prompt, finish reasons and :class:`GenerationStats`.
     """
     decoder = SpeculativeDecoder(
-        model, drafter, method=method, max_nodes=max_nodes, progress=progress
+        model, drafter, method=method, max_nodes=max_nodes, progress=progress, budget=budget
     )
     return decoder.generate(
         prompts,

@@ -175,6 +175,16 @@ class KVCache:
                 f"path: a node index is >= {self._tree_size}, the number of tokens of the last "
                 "forward pass"
             )
+        steps = torch.arange(width, device=path.device, dtype=path.dtype).unsqueeze(0)
+        if bool(((path == steps) | ~used).all()):
+            # Every row keeps a prefix 0, 1, .. of the block (a chain, an accepted first branch,
+            # or the root alone): those entries already sit where compaction would put them, so
+            # shortening the rows is the whole move.
+            self._lengths.copy_(self._tree_start + num_accepted)
+            self._host_lengths.copy_(self._tree_start.to("cpu", torch.int64) + counts)
+            self._tree_start = None
+            self._tree_size = 0
+            return
         layers = self.num_layers
         s, h, d = self.k.shape[2:]
         # Layers are independent copies of the same layout: fold them into the batch dimension

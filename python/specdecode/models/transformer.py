@@ -21,7 +21,7 @@ import functools
 import math
 import os
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +148,104 @@ def _tree_bits(tree_mask: torch.Tensor, t: int) -> torch.Tensor:
     return ((words[:, :, j // 32] >> (j % 32)) & 1).bool()
 
 
+class _LayerWeights(NamedTuple):
+    """One decoder layer's inference weights: transposed (``[in, out]``, contiguous) and with the
+    projections that read the same input fused."""
+
+    ln1: torch.Tensor  # [H]
+    qkv_t: torch.Tensor  # [H, (Hq + 2 Hkv) D]: q_proj, k_proj, v_proj columns side by side
+    qkv_b: Optional[torch.Tensor]  # [(Hq + 2 Hkv) D] or None
+    o_t: torch.Tensor  # [Hq D, H]
+    o_b: Optional[torch.Tensor]
+    ln2: torch.Tensor
+    gate_up_t: torch.Tensor  # [H, 2 M]: gate_proj columns, then up_proj columns
+    down_t: torch.Tensor  # [M, H]
+
+
+def _t(w: torch.Tensor) -> torch.Tensor:
+    return w.detach().t().contiguous()
+
+
+class _InferenceWeights:
+    """Inference copies of a :class:`Transformer`'s parameters and its RoPE tables.
+
+    The parameters keep the Hugging Face layout (``q_proj``, ``k_proj``, ... as separate
+    ``nn.Linear`` with ``[out, in]`` weights), which ``state_dict`` / ``save_pretrained`` /
+    ``from_pretrained`` and training use. :meth:`Transformer.forward` reads these copies instead:
+
+    * q/k/v and gate/up are fused, so a layer costs 4 matrix products instead of 7;
+    * every weight is stored transposed, ``[in, out]`` contiguous: on the CPU, ``x @ w_t`` with
+      few rows streams the weight once, while ``F.linear``'s ``[out, in]`` layout was measured
+      at 1.2x to 2x slower for 1 to 16 rows on this project's small models (see
+      ``bench/RESULTS.md``, ``## e2e``);
+    * RoPE cos/sin are tables over every position, indexed instead of recomputed.
+
+    The copies cost one more copy of the weights in memory. Invariant: they equal the parameters
+    they were built from. :meth:`matches` compares the storage and version counter of every
+    parameter (an in-place update, ``load_state_dict`` or an optimizer step bumps the version;
+    ``.to()`` changes the storage), and :meth:`Transformer._apply` drops the copies outright; the
+    model rebuilds them on the next forward pass when either says they are stale. Writing
+    through ``param.data`` bypasses the version counter and is not seen; update parameters in
+    place under ``torch.no_grad()`` (as optimizers and ``load_state_dict`` do) instead.
+    """
+
+    def __init__(self, model: Transformer) -> None:
+        self.params = list(model.parameters())
+        self.key = self._key()
+        cfg = model.config
+        with torch.no_grad():
+            self.layers = [self._fuse(layer) for layer in model.model.layers]
+            self.norm = model.model.norm.weight.detach()
+            self.embed = model.model.embed_tokens.weight.detach()
+            self.head_t = _t(model.lm_head.weight)
+            # RoPE tables for every position the model supports, computed exactly as _rope does
+            # (float32 angles from integer positions, then cast), so indexing them gives the same
+            # numbers. sin_signed has its first half negated: rotate_half(x) * sin equals
+            # swap_halves(x) * sin_signed bit for bit (negation is exact).
+            positions = torch.arange(cfg.max_position_embeddings, device=self.embed.device)
+            cos, sin = model._rope(positions, self.embed.dtype)
+            half = cfg.head_dim // 2
+            self.cos = cos
+            self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+    @staticmethod
+    def _fuse(layer: DecoderLayer) -> _LayerWeights:
+        a, m = layer.self_attn, layer.mlp
+        qkv_b = None
+        if a.q_proj.bias is not None:
+            qkv_b = torch.cat((a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)).detach()
+        return _LayerWeights(
+            ln1=layer.input_layernorm.weight.detach(),
+            qkv_t=_t(torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))),
+            qkv_b=qkv_b,
+            o_t=_t(a.o_proj.weight),
+            o_b=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
+            ln2=layer.post_attention_layernorm.weight.detach(),
+            gate_up_t=_t(torch.cat((m.gate_proj.weight, m.up_proj.weight))),
+            down_t=_t(m.down_proj.weight),
+        )
+
+    def _key(self) -> tuple:
+        return tuple((p.data_ptr(), p._version) for p in self.params)
+
+    def matches(self) -> bool:
+        return self._key() == self.key
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    out = torch.mm(x, w_t)
+    return out if bias is None else out + bias
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm`'s arithmetic without the module call and, in float32, without casts."""
+    if x.dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class Transformer(nn.Module):
     """Llama / Qwen2 / Mistral style decoder (RMSNorm, RoPE, SwiGLU, GQA).
 
@@ -176,7 +274,19 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.attention = "auto"
+        self._fast: Optional[_InferenceWeights] = None
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # .to() / .float() / .cuda() replace parameter storage: the fused copies are stale.
+        self._fast = None
+        return super()._apply(fn, recurse)
+
+    def _inference_weights(self) -> _InferenceWeights:
+        fast = self._fast
+        if fast is None or not fast.matches():
+            fast = self._fast = _InferenceWeights(self)
+        return fast
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -329,19 +439,19 @@ class Transformer(nn.Module):
             device=device if device is not None else self.device,
         )
 
-    def _use_kernel(self, q: torch.Tensor) -> bool:
+    def _use_kernel(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
         if self.attention == "torch":
             return False
         supported = (
-            q.shape[-1] in ops.HEAD_DIMS
-            and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and (q.device.type == "cpu" or specdecode_has_cuda())
+            head_dim in ops.HEAD_DIMS
+            and dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and (device.type == "cpu" or specdecode_has_cuda())
         )
         if self.attention == "ops":
             if not supported:
                 raise ValueError(
-                    f"attention='ops': tree_attention does not support head_dim {q.shape[-1]} "
-                    f"(supported {ops.HEAD_DIMS}), dtype {q.dtype} or device {q.device}"
+                    f"attention='ops': tree_attention does not support head_dim {head_dim} "
+                    f"(supported {ops.HEAD_DIMS}), dtype {dtype} or device {device}"
                 )
             return True
         if self.attention != "auto":
@@ -413,30 +523,106 @@ class Transformer(nn.Module):
         slots = cache._begin(t)
         if tree_mask is None and t > ops.MAX_TREE_NODES:
             return self._forward_chunked(input_ids, positions, cache, output_hidden)
-        prefix = cache.lengths
-        rows = torch.arange(batch, device=self.device).unsqueeze(1)
-        groups = self.config.num_groups
-        scale = 1.0 / math.sqrt(self.config.head_dim)
-        allowed: list[Optional[torch.Tensor]] = [None]
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_cache, v_cache = cache.layer(layer)
-            k_cache[rows, slots] = k.to(k_cache.dtype)
-            v_cache[rows, slots] = v.to(v_cache.dtype)
-            if self._use_kernel(q):
-                return ops.tree_attention(
-                    q.contiguous(), k_cache, v_cache, prefix, tree_mask, scale=scale
-                )
-            if allowed[0] is None:
-                allowed[0] = self._dense_mask(prefix, slots, tree_mask, t)
-            return self._attention_torch(q, k_cache, v_cache, allowed[0], groups, scale)
-
         with torch.no_grad():
-            logits, hidden = self._run(input_ids, positions, attend, wanted)
+            logits, hidden = self._run_cached(input_ids, positions, cache, slots, tree_mask, wanted)
         cache._commit(t)
         if output_hidden is None:
             return logits
         return logits, tuple(hidden)
+
+    def _run_cached(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        tree_mask: Optional[torch.Tensor],
+        wanted: Sequence[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The inference forward over validated input: :meth:`_run`'s arithmetic on the fused
+        weights of :class:`_InferenceWeights`, with as few tensor ops per layer as possible
+        (this loop is the whole cost of a decoding step for a small model)."""
+        cfg = self.config
+        fast = self._inference_weights()
+        batch, t = input_ids.shape
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = hq * d, hkv * d
+        eps = cfg.rms_norm_eps
+        n = batch * t
+        # Rows are (sequence, token) pairs flattened: every matrix product is one 2-D mm.
+        x = F.embedding(input_ids.reshape(n), fast.embed)
+        flat_pos = positions.reshape(n)
+        if int(flat_pos.max()) < fast.cos.shape[0]:
+            cos = fast.cos[flat_pos].unsqueeze(1)  # [N, 1, D]
+            sin = fast.sin_signed[flat_pos].unsqueeze(1)
+        else:  # positions beyond max_position_embeddings: computed, as _run does
+            cos, sin = self._rope(flat_pos, x.dtype)
+            sin = torch.cat((-sin[:, : d // 2], sin[:, d // 2 :]), dim=-1).unsqueeze(1)
+            cos = cos.unsqueeze(1)
+        half = d // 2
+        prefix = cache.lengths
+        host = cache._host_lengths
+        # Every row at the same length (always at batch 1): the new K/V go to one slice.
+        start = int(host[0]) if batch == 1 or bool((host == host[0]).all()) else None
+        rows = None if start is not None else torch.arange(batch, device=x.device).unsqueeze(1)
+        use_kernel = self._use_kernel(d, x.dtype, x.device)
+        scale = 1.0 / math.sqrt(d)
+        if not use_kernel:
+            allowed = self._dense_mask(prefix, slots, tree_mask, t)
+            # A row that sees nothing (a padding node over an empty prefix) must yield 0, as the
+            # kernel does; SDPA would give NaN there. Only possible when some prefix is empty.
+            empty_rows = None if int(host.min()) > 0 else allowed.any(-1)[:, :, None, None]
+            mask = allowed.unsqueeze(1)
+            s = allowed.shape[-1]
+        wanted_set = set(wanted)
+        hidden: dict[int, torch.Tensor] = {}
+        if 0 in wanted_set:
+            hidden[0] = x.view(batch, t, -1)
+        last = len(fast.layers)
+        for i, w in enumerate(fast.layers):
+            qkv = _mm(_rms_norm(x, w.ln1, eps), w.qkv_t, w.qkv_b)
+            # RoPE on q and k together: x * cos + rotate_half(x) * sin (see _InferenceWeights).
+            qk = qkv[:, : q_size + kv_size].view(n, hq + hkv, d)
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+            q = qk[:, :hq].view(batch, t, hq, d)
+            k = qk[:, hq:].view(batch, t, hkv, d)
+            v = qkv[:, q_size + kv_size :].view(batch, t, hkv, d)
+            k_cache, v_cache = cache.k[i], cache.v[i]
+            if start is not None:
+                k_cache[:, start : start + t] = k
+                v_cache[:, start : start + t] = v
+            else:
+                k_cache[rows, slots] = k.to(k_cache.dtype)
+                v_cache[rows, slots] = v.to(v_cache.dtype)
+            if use_kernel:
+                out = ops.tree_attention(
+                    q.contiguous(), k_cache, v_cache, prefix, tree_mask, scale=scale
+                )
+            else:
+                keys, values = k_cache[:, :s], v_cache[:, :s]
+                if keys.dtype != q.dtype:  # a cache kept in another dtype than the model
+                    keys, values = keys.to(q.dtype), values.to(q.dtype)
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2),
+                    keys.transpose(1, 2),
+                    values.transpose(1, 2),
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=hq != hkv,
+                ).transpose(1, 2)
+                if empty_rows is not None:
+                    out = torch.where(empty_rows, out, torch.zeros_like(out))
+            x = x + _mm(out.reshape(n, q_size), w.o_t, w.o_b)
+            gate_up = torch.mm(_rms_norm(x, w.ln2, eps), w.gate_up_t)
+            m = gate_up.shape[1] // 2
+            x = x + torch.mm(F.silu(gate_up[:, :m]) * gate_up[:, m:], w.down_t)
+            if i + 1 in wanted_set and i + 1 < last:
+                hidden[i + 1] = x.view(batch, t, -1)
+        x = _rms_norm(x, fast.norm, eps)
+        if last in wanted_set:
+            hidden[last] = x.view(batch, t, -1)
+        logits = torch.mm(x, fast.head_t).view(batch, t, -1)
+        return logits, [hidden[i] for i in wanted]
 
     def _forward_chunked(
         self,
@@ -488,26 +674,6 @@ class Transformer(nn.Module):
             visible = _tree_bits(tree_mask, t)
         allowed.scatter_(2, slots.unsqueeze(1).expand(batch, t, t), visible)
         return allowed
-
-    @staticmethod
-    def _attention_torch(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        allowed: torch.Tensor,
-        groups: int,
-        scale: float,
-    ) -> torch.Tensor:
-        s = allowed.shape[-1]
-        k = _repeat_kv(k_cache[:, :s].transpose(1, 2).to(q.dtype), groups)
-        v = _repeat_kv(v_cache[:, :s].transpose(1, 2).to(q.dtype), groups)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=allowed.unsqueeze(1), scale=scale
-        )
-        # A row that sees nothing (a padding node with an empty prefix) yields 0, as the kernel.
-        seen = allowed.any(-1)  # [B, T]
-        out = out.transpose(1, 2)
-        return torch.where(seen[:, :, None, None], out, torch.zeros_like(out))
 
     # ---- Hugging Face checkpoints ------------------------------------------------------------
 
