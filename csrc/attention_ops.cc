@@ -68,7 +68,7 @@ void tree_attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
                       std::to_string(t));
   }
   if (!attention_head_dim_supported(d)) {
-    throw_value_error("q: head dim D must be 64, 80, 96, 128 or 256, got " + std::to_string(d));
+    throw_value_error("q: head dim D must be 32, 64, 80, 96, 128 or 256, got " + std::to_string(d));
   }
   Array k = Array::from_python(k_obj, "k_cache");
   Array v = Array::from_python(v_obj, "v_cache");

@@ -294,6 +294,8 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
 template <AttnDType DT>
 cudaError_t launch_dtype(const Params& p, cudaStream_t stream) {
   switch (p.a.head_dim) {
+    case 32:
+      return launch<32, DT>(p, stream);
     case 64:
       return launch<64, DT>(p, stream);
     case 80:

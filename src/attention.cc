@@ -421,6 +421,9 @@ struct Avx512Kernels {
                                              const typename Elem<DT>::T* v, int64_t rs, int64_t hs,
                                              int n, float, float* part, float* s) {
     switch (d) {
+      case 32:
+        stream_partials_f32<32, DT>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
       case 64:
         stream_partials_f32<64, DT>(q, heads, rows, k, v, rs, hs, n, part);
         break;
@@ -625,6 +628,9 @@ struct Avx512Bf16Kernels : Avx512Kernels {
                                                  float* s) {
     static_assert(DT == AttnDType::kBFloat16, "bf16 only");
     switch (d) {
+      case 32:
+        stream_partials_bf16<32>(q, heads, rows, k, v, rs, hs, n, part);
+        break;
       case 64:
         stream_partials_bf16<64>(q, heads, rows, k, v, rs, hs, n, part);
         break;

@@ -88,7 +88,7 @@ def check(q, k, v, lens, mask, scale=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
 def test_tree_matches_reference_dtypes_and_head_dims(isa, dtype, d):
     q, k, v, lens, gen = make_case(2, 7, 4, 2, d, [37, 5], dtype, seed=d)
     mask = ops.tree_info(random_parents(2, 7, gen)).mask
@@ -96,7 +96,7 @@ def test_tree_matches_reference_dtypes_and_head_dims(isa, dtype, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [80, 128])
+@pytest.mark.parametrize("d", [32, 80, 128])
 @pytest.mark.parametrize("t", [1, 3])
 def test_decode_and_short_chains_dtypes(isa, dtype, d, t):
     # At most 8 query rows per KV head: values are read straight from the (strided) cache and
@@ -107,7 +107,7 @@ def test_decode_and_short_chains_dtypes(isa, dtype, d, t):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("t", [1, 2])
 def test_streaming_prefix_every_head_dim(isa, dtype, d, t):
     # 4 or 8 query rows per KV head: on AVX-512 the prefix is read key-major with per-key dot
@@ -118,9 +118,10 @@ def test_streaming_prefix_every_head_dim(isa, dtype, d, t):
     check(q, k, v, lens, ops.tree_info(random_parents(3, t, gen)).mask)
 
 
+@pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (4, 4), (8, 2), (6, 1), (32, 8)])
-def test_gqa_ratios(isa, hq, hkv):
-    q, k, v, lens, gen = make_case(2, 5, hq, hkv, 64, [19, 70], seed=hq)
+def test_gqa_ratios(isa, hq, hkv, d):
+    q, k, v, lens, gen = make_case(2, 5, hq, hkv, d, [19, 70], seed=hq)
     check(q, k, v, lens, ops.tree_info(random_parents(2, 5, gen)).mask)
     check(q, k, v, lens, None)
 
@@ -129,25 +130,28 @@ def test_gqa_ratios(isa, hq, hkv):
     "t,prefix",
     [(1, 0), (1, 1), (1, 333), (3, 0), (33, 65), (65, 63), (17, 600), (5, 3000), (64, 2100)],
 )
-def test_odd_sizes_chain_and_tree(isa, t, prefix):
+@pytest.mark.parametrize("d", [32, 64])
+def test_odd_sizes_chain_and_tree(isa, t, prefix, d):
     # 3000 / 2100 exercise several prefix splits (merged with the lse rule); 333 / 600 the short
     # splits of the grouped (few-rows) layout.
-    q, k, v, lens, gen = make_case(1, t, 8, 2, 64, prefix, seed=t + prefix)
+    q, k, v, lens, gen = make_case(1, t, 8, 2, d, prefix, seed=t + prefix)
     check(q, k, v, lens, None)
     check(q, k, v, lens, ops.tree_info(random_parents(1, t, gen)).mask)
 
 
-def test_t256_bf16_tree(isa):
-    q, k, v, lens, gen = make_case(1, 256, 2, 1, 64, 40, torch.bfloat16, seed=256)
+@pytest.mark.parametrize("d", [32, 64])
+def test_t256_bf16_tree(isa, d):
+    q, k, v, lens, gen = make_case(1, 256, 2, 1, d, 40, torch.bfloat16, seed=256)
     check(q, k, v, lens, ops.tree_info(random_parents(1, 256, gen)).mask)
 
 
+@pytest.mark.parametrize("d", [32, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_strided_caches_and_ragged_prefixes(isa, dtype):
-    q, k, v, lens, gen = make_case(3, 9, 8, 4, 128, [0, 130, 700], dtype, strided=True, seed=9)
+def test_strided_caches_and_ragged_prefixes(isa, dtype, d):
+    q, k, v, lens, gen = make_case(3, 9, 8, 4, d, [0, 130, 700], dtype, strided=True, seed=9)
     check(q, k, v, lens, ops.tree_info(random_parents(3, 9, gen)).mask)
     # A strided q too (a view of a fused qkv projection).
-    qkv = torch.randn(3, 9, 8 * 3, 128).to(dtype)
+    qkv = torch.randn(3, 9, 8 * 3, d).to(dtype)
     check(qkv[:, :, 8:16], k, v, lens, None)
 
 
@@ -192,8 +196,9 @@ def test_results_do_not_depend_on_thread_count():
     assert torch.equal(one, three)
 
 
-def test_isa_paths_agree():
-    q, k, v, lens, gen = make_case(2, 12, 8, 2, 96, [300, 90], seed=13)
+@pytest.mark.parametrize("d", [32, 96])
+def test_isa_paths_agree(d):
+    q, k, v, lens, gen = make_case(2, 12, 8, 2, d, [300, 90], seed=13)
     mask = ops.tree_info(random_parents(2, 12, gen)).mask
     outs = []
     for name in ISAS:
@@ -212,11 +217,12 @@ def test_isa_paths_agree():
     group=st.sampled_from([1, 2, 3]),
     hkv=st.integers(1, 3),
     prefix=st.integers(0, 200),
+    d=st.sampled_from([32, 64]),
     chain=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_random_shapes_hypothesis(batch, t, group, hkv, prefix, chain, seed):
-    q, k, v, lens, gen = make_case(batch, t, group * hkv, hkv, 64, prefix, seed=seed)
+def test_random_shapes_hypothesis(batch, t, group, hkv, prefix, d, chain, seed):
+    q, k, v, lens, gen = make_case(batch, t, group * hkv, hkv, d, prefix, seed=seed)
     mask = None if chain else ops.tree_info(random_parents(batch, t, gen)).mask
     check(q, k, v, lens, mask)
 
@@ -234,7 +240,7 @@ def _valid():
     "mutate,exc,match",
     [
         (lambda a: a.update(q=a["q"][:, :, :3]), ValueError, "multiple"),
-        (lambda a: a.update(q=a["q"][:, :, :, :32].contiguous()), ValueError, "head dim"),
+        (lambda a: a.update(q=a["q"][:, :, :, :48].contiguous()), ValueError, "head dim D must"),
         (lambda a: a.update(q=a["q"].double()), TypeError, "q"),
         (lambda a: a.update(k=a["k"].half()), TypeError, "k_cache"),
         (lambda a: a.update(v=a["v"][:, :-1]), ValueError, "v_cache"),
@@ -288,10 +294,11 @@ def test_cuda_data_in_cpu_build_or_mixed_devices():
 # ---- compact_kv --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("strided", [False, True])
-def test_compact_kv_matches_gather(dtype, strided):
-    _, k, v, _, _ = make_case(3, 8, 4, 2, 64, [10, 0, 40], dtype, strided=strided, seed=21)
+def test_compact_kv_matches_gather(dtype, strided, d):
+    _, k, v, _, _ = make_case(3, 8, 4, 2, d, [10, 0, 40], dtype, strided=strided, seed=21)
     lens = torch.tensor([10, 0, 40], dtype=torch.int32)
     # Overlapping moves: row 0 keeps nodes 0, 2, 3, 5 (sources 12, 13, 15 overlap destinations
     # 11, 12, 13); row 1 accepts nothing; row 2 keeps a prefix of its path unchanged.
@@ -301,6 +308,24 @@ def test_compact_kv_matches_gather(dtype, strided):
     new_lens = ops.compact_kv(k, v, lens, path, accepted)
     assert torch.equal(new_lens, ref_lens)
     assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 4])
+def test_pycode_shape_ragged_batch(isa, dtype, t):
+    # The shipped zoo pair's attention (8 query heads, 4 KV heads, D = 32) at batch 8 with ragged
+    # prefixes, one empty: decode (T = 1) and a short chain / tree.
+    prefixes = [0, 1, 15, 16, 17, 130, 257, 600]
+    q, k, v, lens, gen = make_case(8, t, 8, 4, 32, prefixes, dtype, seed=32 + t)
+    check(q, k, v, lens, None)
+    check(q, k, v, lens, ops.tree_info(random_parents(8, t, gen)).mask)
+
+
+def test_unsupported_head_dim_message_lists_the_supported_dims():
+    q, k, v, lens, _ = make_case(1, 2, 2, 1, 48, 4)
+    with pytest.raises(ValueError, match=r"32, 64, 80, 96, 128 or 256, got 48"):
+        ops.tree_attention(q, k, v, lens)
+    assert 32 in ops.HEAD_DIMS and 48 not in ops.HEAD_DIMS
 
 
 def test_compact_kv_then_attention_equals_attention_over_the_path():
@@ -396,7 +421,7 @@ def test_library_ops_registered():
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 80, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 80, 128, 256])
 @pytest.mark.parametrize("t,prefix", [(1, 0), (1, 4000), (7, 300), (64, 2000), (256, 33)])
 def test_cuda_matches_cpu_and_reference(dtype, d, t, prefix):
     q, k, v, lens, gen = make_case(2, t, 8, 2, d, [prefix, prefix // 2], dtype, strided=True)

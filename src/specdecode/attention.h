@@ -26,7 +26,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // Head dims the kernels are instantiated for (all multiples of 16, which the vector paths use).
 SD_HD_INLINE bool attention_head_dim_supported(int64_t d) {
-  return d == 64 || d == 80 || d == 96 || d == 128 || d == 256;
+  return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256;
 }
 
 SD_HD_INLINE float neg_inf() { return -INFINITY; }

@@ -22,7 +22,7 @@ from .. import _C
 from .common import empty, stream_of
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-HEAD_DIMS = (64, 80, 96, 128, 256)
+HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 
 _COMPACT_ERRORS = {
     1: "num_accepted[{b}] = {count} is outside [0, L = {width}]",
@@ -134,7 +134,7 @@ def tree_attention(
     ----------
     q : torch.Tensor
         ``[B, T, Hq, D]``, float32, float16 or bfloat16, last dim contiguous.
-        ``1 <= T <= 1024``; ``D`` in 64, 80, 96, 128, 256.
+        ``1 <= T <= 1024``; ``D`` in 32, 64, 80, 96, 128, 256.
     k_cache, v_cache : torch.Tensor
         ``[B, S, Hkv, D]``, same dtype and device as ``q``, ``Hq`` a multiple of ``Hkv``,
         ``S >= T``. May be strided views into larger buffers (the last dim must be contiguous,
