@@ -206,19 +206,89 @@ def test_kernel_and_torch_attention_agree():
     )
 
 
-def test_unsupported_head_dim_falls_back_to_torch():
-    model, full = make_models("llama")  # head_dim 64: the kernel
-    small = hf_model("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+def test_unsupported_head_dim_falls_back_to_torch(monkeypatch):
+    small = hf_model("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=48)
+    assert 48 not in ops.HEAD_DIMS
     ours = Transformer(ModelConfig.from_hf_config(small.config.to_dict()))
     ours.load_state_dict(small.state_dict())
+    calls = _count_kernel_calls(monkeypatch)
     cache = ours.new_cache(1, 16)
     seq = _tokens(6, seed=60)
     prefill(ours, cache, [seq])
     out = ours.forward(torch.tensor([[5]]), torch.tensor([[6]]), cache)
     torch.testing.assert_close(out[0, 0], hf_logits(small, torch.tensor([seq + [5]]))[0, -1], **TOL)
+    assert calls == []  # "auto" fell back to PyTorch
     ours.attention = "ops"
-    with pytest.raises(ValueError, match="head_dim 32"):
+    with pytest.raises(ValueError, match="head_dim 48"):
         ours.forward(torch.tensor([[5]]), torch.tensor([[7]]), cache)
+
+
+def _count_kernel_calls(monkeypatch) -> list:
+    """Wraps ops.tree_attention (as the model looks it up) to record the head dim of each call."""
+    calls = []
+    real = ops.tree_attention
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.shape[-1])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "tree_attention", counted)
+    return calls
+
+
+def test_head_dim_32_uses_the_kernel_and_matches_transformers(monkeypatch):
+    # The shipped zoo pair's attention shape (head_dim 32, two query heads per KV head): "auto"
+    # runs ops.tree_attention, and ragged prefill, a tree pass and decode all give transformers'
+    # logits and the PyTorch-attention path's logits.
+    small = hf_model("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    ours = Transformer(ModelConfig.from_hf_config(small.config.to_dict()))
+    ours.load_state_dict(small.state_dict())
+    reference = Transformer(ModelConfig.from_hf_config(small.config.to_dict()))
+    reference.load_state_dict(small.state_dict())
+    reference.attention = "torch"
+    calls = _count_kernel_calls(monkeypatch)
+    prompts = [_tokens(11, seed=61), _tokens(3, seed=62)]
+    ck, cr = ours.new_cache(2, 48), reference.new_cache(2, 48)
+    got = prefill(ours, ck, prompts)
+    assert calls and set(calls) == {32}
+    n_kernel = len(calls)
+    torch.testing.assert_close(got, prefill(reference, cr, prompts), **TOL)
+    assert len(calls) == n_kernel  # the reference never calls the kernel
+    for b, p in enumerate(prompts):
+        expect = hf_logits(small, torch.tensor([p]))[0, -1]
+        torch.testing.assert_close(got[b, len(p) - 1], expect, **TOL)
+    info = ops.tree_info(torch.tensor([TREE, TREE], dtype=torch.int32))
+    ids = torch.tensor([_tokens(7, seed=63), _tokens(7, seed=64)])
+    pos = ck.lengths.long().unsqueeze(1) + info.depth.long()
+    tree_logits = ours.forward(ids, pos, ck, info.mask)
+    torch.testing.assert_close(tree_logits, reference.forward(ids, pos, cr, info.mask), **TOL)
+    for b, p in enumerate(prompts):
+        for node in (4, 6):
+            path = _path(TREE, node)
+            seq = p + [int(ids[b, j]) for j in path]
+            expect = hf_logits(small, torch.tensor([seq]))[0, -1]
+            torch.testing.assert_close(tree_logits[b, node], expect, **TOL)
+
+
+def test_zoo_pair_auto_attention_uses_the_kernel(monkeypatch):
+    from specdecode import zoo
+
+    target, draft, _ = zoo.load()
+    for model in (target, draft):
+        assert model.attention == "auto" and model.config.head_dim == 32
+    calls = _count_kernel_calls(monkeypatch)
+    logits = {}
+    for mode in ("auto", "torch"):
+        target.attention = mode
+        cache = target.new_cache(2, 32)
+        logits[mode] = prefill(target, cache, [[1, 5, 9, 200, 31], [1, 77]])
+        nxt = torch.tensor([[40], [41]])
+        logits[mode + "-step"] = target.forward(nxt, cache.lengths.long().unsqueeze(1), cache)
+        if mode == "auto":
+            assert len(calls) == 2 * target.config.num_hidden_layers
+    assert len(calls) == 2 * target.config.num_hidden_layers
+    torch.testing.assert_close(logits["auto"], logits["torch"], **TOL)
+    torch.testing.assert_close(logits["auto-step"], logits["torch-step"], **TOL)
 
 
 @pytest.mark.parametrize("family", ["llama", "llama:hf"])
