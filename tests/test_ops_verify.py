@@ -630,6 +630,10 @@ for v in (3001, 4352):
     logits[0, 0, ::3] = -float("inf")  # weights that are exactly 0
     logits[1, 0, :] = 50.0  # ties everywhere: the argmax is the first index
     logits[2, 1, :40] = -100.0  # below the exp's flush threshold
+    # Chunks far below the row's max: their scales g_c = exp(m_c - M) are tiny or flush to 0.
+    logits[7, 0, :512] -= 60.0
+    logits[7, 0, 512:768] -= 100.0
+    logits[8, 0, 256:512] = -float("inf")  # a chunk with no mass at all
     q = torch.softmax(torch.randn(b, n, v, generator=g) * 2, -1)
     q[3, 0, 7] = 0.0
     tokens = torch.randint(0, v, (b, n), generator=g)
@@ -643,6 +647,7 @@ for v in (3001, 4352):
         (logits, dict(draft_probs=q)),
         (logits, dict(parents=parents, draft_probs=q, top_k=40, top_p=0.8)),
         (logits, dict(temperature=0.6)),
+        (logits, dict(draft_probs=q, top_p=0.9)),  # top-p after the one-pass scan
         (logits, dict(temperature=0.0)),
         (logits, dict(method="typical")),
         (probs, dict(target_is_logits=False, draft_probs=q)),
