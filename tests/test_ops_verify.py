@@ -163,6 +163,7 @@ def spread_logits(gen: torch.Generator, v: int) -> tuple[torch.Tensor, list[int]
     return logits, support
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.85)])
 def test_sample_over_several_chunks_matches_processed_distribution(temperature, top_p):
     """The weights of a logits row are defined chunk by chunk (each chunk's exps taken against
@@ -182,6 +183,7 @@ def test_sample_over_several_chunks_matches_processed_distribution(temperature, 
     g_test(hist(res.tokens, v), dict(enumerate(p.tolist())), f"sample chunks T={temperature}")
 
 
+@pytest.mark.slow
 def test_chain_over_several_chunks_first_token_is_target_distributed():
     """A one-draft chain with q over a vocabulary of several chunks: the acceptance ratio
     p(x) / q(x) and the residual max(p - q, 0) use the chunk-scaled weights, and the first
