@@ -8,8 +8,9 @@
 // executor in cuda/verify.cu):
 //
 //   bool leader()                          the one thread that writes outputs
-//   ScanResult scan(n, load, is_bad)       max value, its lowest index, and whether any is bad
-//   float chunk_sums(n, f, which)          canonical chunk sums of f into sums(which); the total
+//   ScanResult scan(n, load, is_bad, hint) max value, its lowest index, and whether any is bad
+//   float chunk_sums(n, f, which)          canonical chunk sums of f into sums(which) (for the
+//                                          row weights RowWeight: S_c below); the total
 //   float* sums(which)                     the chunk sums of the last chunk_sums(., ., which)
 //   int64_t count_if(n, pred)              exact count
 //   float kth_largest(n, load, k)          the k-th largest value (exact, so order-free)
