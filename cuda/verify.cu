@@ -14,6 +14,8 @@ constexpr int kThreads = 256;
 struct BlockShared {
   float sums0[verify::kMaxChunks];
   float sums1[verify::kMaxChunks];
+  float chunk_max[verify::kMaxChunks];
+  float chunk_scale[verify::kMaxChunks];
   float red_value[kThreads];
   int64_t red_index[kThreads];
   int red_flag[kThreads];
@@ -44,9 +46,30 @@ class BlockExec {
 
   __device__ bool leader() const { return threadIdx.x == 0; }
   __device__ float* sums(int which) { return which ? sh_->sums1 : sh_->sums0; }
+  __device__ const float* chunk_max() const { return sh_->chunk_max; }
+  __device__ const float* chunk_scale() const { return sh_->chunk_scale; }
 
+  // One thread per chunk: its largest raw value, then m_c and g_c (verify::chunk_scale_of).
+  template <class Load>
+  __device__ void chunk_scales(int64_t n, const Load& load, float inv_temp, float scaled_max) {
+    __syncthreads();
+    const int chunks = verify::num_chunks(n);
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+      const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+      const int64_t end = begin + verify::kChunk < n ? begin + verify::kChunk : n;
+      float m = -verify::kInf;
+      for (int64_t i = begin; i < end; ++i) {
+        const float v = load(i);
+        m = v > m ? v : m;
+      }
+      verify::chunk_scale_of(m, inv_temp, scaled_max, &sh_->chunk_max[c], &sh_->chunk_scale[c]);
+    }
+    __syncthreads();
+  }
+
+  // The hint is not used: the block reads the row again for each later pass.
   template <class Load, class Bad>
-  __device__ ScanResult scan(int64_t n, const Load& load, const Bad& bad) {
+  __device__ ScanResult scan(int64_t n, const Load& load, const Bad& bad, const verify::ScanHint&) {
     const int tid = threadIdx.x;
     float best = -verify::kInf;
     int64_t arg = INT64_MAX;
@@ -92,7 +115,7 @@ class BlockExec {
     for (int c = threadIdx.x; c < chunks; c += kThreads) {
       const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
       const int64_t end = begin + verify::kChunk < n ? begin + verify::kChunk : n;
-      out[c] = verify::chunk_sum(f, begin, end);
+      out[c] = verify::canonical_chunk_sum(f, begin, end);
     }
     __syncthreads();
     // The canonical total adds the chunk sums in order; one thread does it for all.

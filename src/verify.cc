@@ -115,26 +115,28 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(p, scale));
 }
 
-// verify::RowWeight<T>::operator() on 16 raw values.
+// verify::RowWeight<T>::local on 16 raw values of one chunk (m = that chunk's m_c, g = its g_c).
+// Masked = false skips the top-k / top-p selections, which change nothing when both are off
+// (kth = -inf, wmin = 0): raw >= -inf holds for every row that passed the scan, w >= 0 always.
 // The parameters are copied into registers once (the functor itself sits in memory that the
 // loops' stores could alias, which would force a reload per vector).
-template <class T>
-struct Weight16 {
-  __m512 inv_temp, scaled_max, kth, wmin;
-  explicit Weight16(const verify::RowWeight<T>& f)
-      : inv_temp(set1(f.inv_temp)),
-        scaled_max(set1(f.scaled_max)),
-        kth(set1(f.kth)),
-        wmin(set1(f.wmin)) {}
-  __m512 operator()(__m512 raw) const {
-    __m512 w;
+template <class T, bool Masked>
+struct Local16 {
+  __m512 inv_temp, kth, wmin;
+  explicit Local16(const verify::RowWeight<T>& f)
+      : inv_temp(set1(f.inv_temp)), kth(set1(f.kth)), wmin(set1(f.wmin)) {}
+  __m512 operator()(__m512 raw, __m512 m, __m512 g) const {
     if constexpr (verify::IsProb<T>::value) {
-      w = raw;
+      if constexpr (!Masked) return raw;
+      const __m512 w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, kth, _CMP_GE_OQ), raw);
+      return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, wmin, _CMP_GE_OQ), w);
     } else {
-      w = exp16(_mm512_sub_ps(_mm512_mul_ps(raw, inv_temp), scaled_max));
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_mul_ps(raw, inv_temp), m));
+      if constexpr (!Masked) return e;
+      const __m512 kept = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, kth, _CMP_GE_OQ), e);
+      return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_mul_ps(kept, g), wmin, _CMP_GE_OQ),
+                                 kept);
     }
-    w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, kth, _CMP_GE_OQ), w);
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, wmin, _CMP_GE_OQ), w);
   }
 };
 
@@ -165,226 +167,207 @@ inline float combine_lanes(__m256 acc) {
 constexpr int kVecPerChunk = verify::kChunk / 16;
 static_assert(verify::kChunk % 16 == 0, "a chunk is a whole number of 16-lane vectors");
 
-// Canonical sums of the full chunks [0, full) of a weight given per vector by w16(i) (i the first
-// of 16 indices), in memory order: the row streams in sequentially, which the hardware prefetcher
-// follows (interleaving several chunks' addresses defeated it and halved the read bandwidth).
-// Each chunk's additions are one dependent chain in the canonical order; consecutive chunks'
-// chains are independent, so the out-of-order core overlaps them.
+// The canonical lane sum of one full chunk starting at `begin`, of a weight given per vector by
+// w16(i) (i the first of 16 indices). Rows stream in memory order, which the hardware prefetcher
+// follows; each chunk's additions are one dependent chain in the canonical order, and consecutive
+// chunks' chains are independent, so the out-of-order core overlaps them with the next chunk's
+// loads and exps.
 template <class W16>
-inline void full_chunk_sums(int full, float* out, const W16& w16) {
-  for (int c = 0; c < full; ++c) {
-    const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
-    __m256 acc = _mm256_setzero_ps();
-    for (int s = 0; s < kVecPerChunk; ++s) acc = add_lanes(acc, w16(begin + s * 16));
-    out[c] = combine_lanes(acc);
-  }
-}
-
-// The same sums for an expensive weight (the exp of logits), whose computation is long enough
-// that one chunk's add chain no longer overlaps the next chunk's: the weights of four chunks are
-// computed in memory order and stored to `w` (the row's weight cache), then summed from L1 with
-// the four chunks' chains interleaved.
-template <class W16>
-inline void full_chunk_sums_stored(int full, float* out, float* w, const W16& w16) {
-  int c = 0;
-  for (; c + 4 <= full; c += 4) {
-    const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
-    for (int64_t i = begin; i < begin + 4 * verify::kChunk; i += 16) {
-      _mm512_storeu_ps(w + i, w16(i));
-    }
-    __m256 acc[4];
-    for (int g = 0; g < 4; ++g) acc[g] = _mm256_setzero_ps();
-    for (int s = 0; s < kVecPerChunk; ++s) {
-      for (int g = 0; g < 4; ++g) {
-        acc[g] = add_lanes(acc[g], _mm512_loadu_ps(w + begin + g * verify::kChunk + s * 16));
-      }
-    }
-    for (int g = 0; g < 4; ++g) out[c + g] = combine_lanes(acc[g]);
-  }
-  for (; c < full; ++c) {
-    const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
-    __m256 acc = _mm256_setzero_ps();
-    for (int s = 0; s < kVecPerChunk; ++s) {
-      const __m512 wv = w16(begin + s * 16);
-      _mm512_storeu_ps(w + begin + s * 16, wv);
-      acc = add_lanes(acc, wv);
-    }
-    out[c] = combine_lanes(acc);
-  }
+inline float chunk_lane_sum(int64_t begin, const W16& w16) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int s = 0; s < kVecPerChunk; ++s) acc = add_lanes(acc, w16(begin + s * 16));
+  return combine_lanes(acc);
 }
 
 }  // namespace v512
 
 class CpuExecAvx512 : public CpuExecAvx512Generic {
  public:
+  using CpuExecAvx512Generic::chunk_scales;
   using CpuExecAvx512Generic::chunk_sums;
   using CpuExecAvx512Generic::scan;
 
-  // The scan of a target row: max over 4 x 16 lanes (exact in any order), the bad flag, then
-  // the first index equal to the max (the argmax the generic loop and the GPU return).
+  // The scan of a target row, chunk by chunk: the max of each chunk (exact in any order; kept
+  // for chunk_scales and for the argmax), the bad flag, and with hint.fuse the chunk's local
+  // weights and their canonical lane sum L_c while its 1 KiB is in L1 (see verify.h: for logits
+  // local_i = exp(s_i - m_c) needs only the chunk's own max), so the row is read from memory
+  // once. The argmax is the first index equal to the max, searched in the first chunk that
+  // holds it (the index the generic loop and the GPU return).
   template <class T>
-  ScanResult scan(int64_t n, const verify::RowLoad<T>& load, const verify::BadTarget& bad) {
+  ScanResult scan(int64_t n, const verify::RowLoad<T>& load, const verify::BadTarget& bad,
+                  const verify::ScanHint& hint) {
     if constexpr (!v512::kFast<T>) {
-      return CpuExecAvx512Generic::scan(n, load, bad);
+      return CpuExecAvx512Generic::scan(n, load, bad, hint);
     } else {
+      constexpr bool logits = !verify::IsProb<T>::value;
       const auto* row = v512::elems(load.row);
-      const bool logits = bad.logits;
       const __m512 ninf = v512::set1(-verify::kInf);
-      __m512 m[4] = {ninf, ninf, ninf, ninf};
-      __mmask16 flag = 0;
       const auto is_bad = [&](__m512 v) -> __mmask16 {
-        if (logits) {
+        if constexpr (logits) {
           return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) |
                  _mm512_cmp_ps_mask(v, v512::set1(verify::kInf), _CMP_EQ_OQ);
+        } else {
+          return static_cast<__mmask16>(
+              ~(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ) &
+                _mm512_cmp_ps_mask(v, v512::set1(verify::kFloatMax), _CMP_LE_OQ)));
         }
-        return static_cast<__mmask16>(
-            ~(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ) &
-              _mm512_cmp_ps_mask(v, v512::set1(verify::kFloatMax), _CMP_LE_OQ)));
       };
-      int64_t i = 0;
-      if constexpr (verify::IsProb<T>::value) {
-        // The weights of a probability row without top-k / top-p are its values (kth = -inf,
-        // wmin = 0), known before the scan: their canonical chunk sums are taken in this same
-        // pass, while the data is in registers, and handed to the chunk_sums call of
-        // prepare_row that follows (which would otherwise read the row a second time).
-        const verify::RowWeight<T> plain{load.row, 1.f, -verify::kInf, 0.f, 0.f};
-        const v512::Weight16<T> weight16(plain);
-        pending_.resize(static_cast<size_t>(verify::num_chunks(n)));
-        float* out = pending_.data();
-        const int full = static_cast<int>(n / verify::kChunk);
-        v512::full_chunk_sums(full, out, [&](int64_t k) {
-          const __m512 v = v512::load16(row, k);
-          flag |= is_bad(v);
-          m[0] = _mm512_max_ps(v, m[0]);
-          return weight16(v);
-        });
-        i = static_cast<int64_t>(full) * verify::kChunk;
-        if (i < n) out[full] = verify::chunk_sum(plain, i, n);
-        pending_row_ = load.row;
-        pending_n_ = n;
-      } else {
-        for (; i + 64 <= n; i += 64) {
-          for (int g = 0; g < 4; ++g) {
-            const __m512 v = v512::load16(row, i + 16 * g);
+      const int chunks = verify::num_chunks(n);
+      const int full = static_cast<int>(n / verify::kChunk);
+      raw_max_.resize(static_cast<size_t>(chunks));
+      float* cmax = raw_max_.data();
+      const bool fuse = hint.fuse;
+      float* lsum = nullptr;
+      float* local = nullptr;
+      if (fuse) {
+        pending_.resize(static_cast<size_t>(chunks));
+        lsum = pending_.data();
+        if constexpr (logits) {
+          // The local weights are kept for the residual of this row (row_weights_).
+          row_weights_.resize(static_cast<size_t>(n));
+          local = row_weights_.data();
+        }
+      }
+      const float inv_temp = hint.inv_temp;
+      const __m512 vinv_temp = v512::set1(inv_temp);
+      __mmask16 flag = 0;
+      for (int c = 0; c < full; ++c) {
+        const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+        __m512 m = ninf;
+        if (fuse && !logits) {
+          // A probability row's unmasked weights are its values: summed in the same loop.
+          lsum[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
+            const __m512 v = v512::load16(row, i);
+            flag |= is_bad(v);
+            m = _mm512_max_ps(v, m);
+            return v;
+          });
+        } else {
+          for (int s = 0; s < v512::kVecPerChunk; ++s) {
+            const __m512 v = v512::load16(row, begin + s * 16);
             flag |= is_bad(v);
             // MAXPS(v, m) = v > m ? v : m, the generic lane update (a NaN v keeps m).
-            m[g] = _mm512_max_ps(v, m[g]);
+            m = _mm512_max_ps(v, m);
+          }
+        }
+        cmax[c] = _mm512_reduce_max_ps(m);
+        if constexpr (logits) {
+          if (fuse) {
+            // The chunk is in L1 now: its exps and their lane sum (verify::local_logit_weight).
+            const __m512 mc = v512::set1(verify::fmul(cmax[c], inv_temp));
+            lsum[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
+              const __m512 s = _mm512_sub_ps(_mm512_mul_ps(v512::load16(row, i), vinv_temp), mc);
+              const __m512 e = v512::exp16(s);
+              _mm512_storeu_ps(local + i, e);
+              return e;
+            });
           }
         }
       }
-      for (; i < n; i += 16) {
-        const int64_t left = n - i;
-        const __mmask16 valid =
-            left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
-        const __m512 v = _mm512_mask_mov_ps(ninf, valid, v512::load16(row, i, valid));
-        flag |= is_bad(v) & valid;
-        m[0] = _mm512_max_ps(v, m[0]);
+      if (full < chunks) {
+        const int64_t begin = static_cast<int64_t>(full) * verify::kChunk;
+        float m = -verify::kInf;
+        bool tail_bad = false;
+        for (int64_t i = begin; i < n; ++i) {
+          const float v = load(i);
+          tail_bad = tail_bad || bad(v);
+          m = v > m ? v : m;
+        }
+        if (tail_bad) flag |= 1;
+        cmax[full] = m;
+        if (fuse) {
+          if constexpr (logits) {
+            const float mc = verify::fmul(m, inv_temp);
+            for (int64_t i = begin; i < n; ++i) {
+              local[i] = verify::local_logit_weight(load(i), inv_temp, mc);
+            }
+            const auto read = [local](int64_t i) { return local[i]; };
+            lsum[full] = verify::chunk_sum(read, begin, n);
+          } else {
+            lsum[full] = verify::chunk_sum(load, begin, n);
+          }
+        }
       }
-      const __m512 all = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
-      ScanResult r{_mm512_reduce_max_ps(all), 0, flag != 0};
-      const __m512 target = v512::set1(r.max);
-      for (int64_t k = 0; k < n; k += 16) {
-        const int64_t left = n - k;
-        const __mmask16 valid =
-            left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
-        const __mmask16 eq =
-            _mm512_cmp_ps_mask(v512::load16(row, k, valid), target, _CMP_EQ_OQ) & valid;
-        if (eq) {
-          r.argmax = k + __builtin_ctz(eq);
+      ScanResult r{-verify::kInf, 0, flag != 0};
+      int first = 0;
+      for (int c = 0; c < chunks; ++c) {
+        if (cmax[c] > r.max) {
+          r.max = cmax[c];
+          first = c;
+        }
+      }
+      const int64_t begin = static_cast<int64_t>(first) * verify::kChunk;
+      const int64_t end = std::min<int64_t>(begin + verify::kChunk, n);
+      for (int64_t i = begin; i < end; ++i) {
+        if (load(i) == r.max) {
+          r.argmax = i;
           break;
         }
       }
+      maxima_row_ = load.row;
+      maxima_n_ = n;
+      pending_row_ = fuse ? static_cast<const void*>(load.row) : nullptr;
+      pending_n_ = n;
+      pending_inv_temp_ = inv_temp;
+      cached_row_ = nullptr;  // row_weights_ may have been overwritten
       return r;
     }
   }
 
-  // The target weights: computed, stored for a later residual of the same row (logits only: a
-  // probability row's weights are cheaper to reload than to cache) and summed canonically in one
-  // pass.
+  // m_c and g_c from the chunk maxima the scan of this row took (no second read of the row).
+  template <class T>
+  void chunk_scales(int64_t n, const verify::RowLoad<T>& load, float inv_temp, float scaled_max) {
+    if (maxima_row_ != static_cast<const void*>(load.row) || maxima_n_ != n) {
+      return CpuExecAvx512Generic::chunk_scales(n, load, inv_temp, scaled_max);
+    }
+    const int chunks = verify::num_chunks(n);
+    for (int c = 0; c < chunks; ++c) {
+      verify::chunk_scale_of(raw_max_[c], inv_temp, scaled_max, &chunk_max_[c], &chunk_scale_[c]);
+    }
+  }
+
+  // The chunk sums S_c of the target weights. After a fused scan of this row with no masks,
+  // S_c = L_c * g_c from the scan's L_c; otherwise the local weights are computed chunk by chunk
+  // (kept in row_weights_ for a later residual, logits only: a probability row's weights are
+  // cheaper to reload than to cache) and summed canonically in one pass.
   template <class T>
   float chunk_sums(int64_t n, const verify::RowWeight<T>& f, int which) {
     if constexpr (!v512::kFast<T>) {
       return CpuExecAvx512Generic::chunk_sums(n, f, which);
     } else {
+      constexpr bool logits = !verify::IsProb<T>::value;
       float* out = sums(which);
       const int chunks = verify::num_chunks(n);
-      if (verify::IsProb<T>::value && pending_row_ == static_cast<const void*>(f.row) &&
-          pending_n_ == n && f.kth == -verify::kInf && same_bits(f.wmin, 0.f)) {
-        // Taken by the scan of this row (see scan()).
-        for (int c = 0; c < chunks; ++c) out[c] = pending_[c];
-        cached_row_ = nullptr;
+      if (pending_row_ == static_cast<const void*>(f.row) && pending_n_ == n && !f.masked() &&
+          (!logits || (same_bits(pending_inv_temp_, f.inv_temp) &&
+                       f.chunk_max == chunk_max_.data() && f.chunk_scale == chunk_scale_.data()))) {
+        for (int c = 0; c < chunks; ++c) {
+          out[c] = f.from_local(pending_[c], static_cast<int64_t>(c) * verify::kChunk);
+        }
+        if (logits) {
+          remember_weights_of(f, n);
+        } else {
+          cached_row_ = nullptr;
+        }
+        // Used once: a later masked pass over this row (the top-p search) overwrites
+        // row_weights_, which the pending sums' cache entry would then no longer describe.
+        pending_row_ = nullptr;
         return verify::sequential_total(out, chunks);
       }
-      const auto* row = v512::elems(f.row);
-      constexpr bool cache = !verify::IsProb<T>::value;
-      float* w = nullptr;
-      if (cache) {
-        row_weights_.resize(static_cast<size_t>(n));
-        w = row_weights_.data();
-      }
-      const int full = static_cast<int>(n / verify::kChunk);
-      const v512::Weight16<T> weight16(f);
-      const auto w16 = [&](int64_t i) { return weight16(v512::load16(row, i)); };
-      if (cache) {
-        v512::full_chunk_sums_stored(full, out, w, w16);
-      } else {
-        v512::full_chunk_sums(full, out, w16);
-      }
-      if (full < chunks) {
-        const int64_t begin = static_cast<int64_t>(full) * verify::kChunk;
-        if (cache) {
-          for (int64_t i = begin; i < n; ++i) w[i] = f(i);
-          const auto read = [w](int64_t i) { return w[i]; };
-          out[full] = verify::chunk_sum(read, begin, n);
-        } else {
-          out[full] = verify::chunk_sum(f, begin, n);
-        }
-      }
-      if (cache) {
-        remember_weights_of(f, n);
-      } else {
-        cached_row_ = nullptr;
-      }
-      return verify::sequential_total(out, chunks);
+      if (f.masked()) return sums_of<true>(n, f, out);
+      return sums_of<false>(n, f, out);
     }
   }
 
-  // The first residual max(p - q, 0): from the cached weights when this row's were just computed,
-  // else recomputed from the row; q read once.
+  // The first residual max(p - q, 0): from the cached local weights when this row's were just
+  // computed (w = local * g_c, one multiply), else recomputed from the row; q read once.
   template <class T, class Q>
   float chunk_sums(int64_t n, const verify::FirstResidualWeight<T, Q>& f, int which) {
     if constexpr (!(v512::kFast<T> && v512::kFast<Q>)) {
       return CpuExecAvx512Generic::chunk_sums(n, f, which);
     } else {
-      const auto* row = v512::elems(f.weight.row);
-      const auto* qrow = v512::elems(f.qrow);
-      const bool cached = holds_weights_of(f.weight, n);
-      const float* cw = row_weights_.data();
-      float* out = sums(which);
-      const int full = static_cast<int>(n / verify::kChunk);
-      const __m512 inv_total = v512::set1(f.inv_total);
-      const v512::Weight16<T> weight16(f.weight);
-      if (cached) {
-        v512::full_chunk_sums(full, out, [&](int64_t i) {
-          return v512::residual16(_mm512_loadu_ps(cw + i), v512::load16(qrow, i), inv_total);
-        });
-      } else {
-        v512::full_chunk_sums(full, out, [&](int64_t i) {
-          const __m512 wv = weight16(v512::load16(row, i));
-          return v512::residual16(wv, v512::load16(qrow, i), inv_total);
-        });
-      }
-      const int chunks = verify::num_chunks(n);
-      if (full < chunks) {
-        const int64_t begin = static_cast<int64_t>(full) * verify::kChunk;
-        if (cached) {
-          const auto rest = [&](int64_t i) { return f.from_weight(cw[i], i); };
-          out[full] = verify::chunk_sum(rest, begin, n);
-        } else {
-          out[full] = verify::chunk_sum(f, begin, n);
-        }
-      }
-      return verify::sequential_total(out, chunks);
+      if (f.weight.masked()) return residual_of<true>(n, f, which);
+      return residual_of<false>(n, f, which);
     }
   }
 
@@ -392,13 +375,102 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
     CpuExecAvx512Generic::reset(vocab);
     pending_row_ = nullptr;
     pending_n_ = 0;
+    maxima_row_ = nullptr;
+    maxima_n_ = 0;
   }
 
  private:
-  // Chunk sums of a probability row's plain weights taken by its scan, keyed by row and length.
+  template <bool Masked, class T>
+  float sums_of(int64_t n, const verify::RowWeight<T>& f, float* out) {
+    constexpr bool logits = !verify::IsProb<T>::value;
+    const auto* row = v512::elems(f.row);
+    float* w = nullptr;
+    if (logits) {
+      row_weights_.resize(static_cast<size_t>(n));
+      w = row_weights_.data();
+    }
+    const int chunks = verify::num_chunks(n);
+    const int full = static_cast<int>(n / verify::kChunk);
+    const v512::Local16<T, Masked> local16(f);
+    for (int c = 0; c < full; ++c) {
+      const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+      const __m512 m = v512::set1(logits ? f.chunk_max[c] : 0.f);
+      const __m512 g = v512::set1(f.scale(begin));
+      const float l = v512::chunk_lane_sum(begin, [&](int64_t i) {
+        const __m512 lv = local16(v512::load16(row, i), m, g);
+        if (logits) _mm512_storeu_ps(w + i, lv);
+        return lv;
+      });
+      out[c] = f.from_local(l, begin);
+    }
+    if (full < chunks) {
+      const int64_t begin = static_cast<int64_t>(full) * verify::kChunk;
+      out[full] = verify::canonical_chunk_sum(f, begin, n);
+      if (logits) {
+        for (int64_t i = begin; i < n; ++i) w[i] = f.local(i);
+      }
+    }
+    if (logits) {
+      remember_weights_of(f, n);
+    } else {
+      cached_row_ = nullptr;
+    }
+    return verify::sequential_total(out, chunks);
+  }
+
+  template <bool Masked, class T, class Q>
+  float residual_of(int64_t n, const verify::FirstResidualWeight<T, Q>& f, int which) {
+    const verify::RowWeight<T>& rw = f.weight;
+    const auto* row = v512::elems(rw.row);
+    const auto* qrow = v512::elems(f.qrow);
+    const bool cached = holds_weights_of(rw, n);
+    const float* cl = row_weights_.data();
+    float* out = sums(which);
+    const int chunks = verify::num_chunks(n);
+    const int full = static_cast<int>(n / verify::kChunk);
+    const __m512 inv_total = v512::set1(f.inv_total);
+    const v512::Local16<T, Masked> local16(rw);
+    constexpr bool logits = !verify::IsProb<T>::value;
+    for (int c = 0; c < full; ++c) {
+      const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+      const __m512 m = v512::set1(logits ? rw.chunk_max[c] : 0.f);
+      const __m512 g = v512::set1(rw.scale(begin));
+      if (cached) {
+        out[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
+          __m512 wv = _mm512_loadu_ps(cl + i);
+          if (logits) wv = _mm512_mul_ps(wv, g);
+          return v512::residual16(wv, v512::load16(qrow, i), inv_total);
+        });
+      } else {
+        out[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
+          __m512 wv = local16(v512::load16(row, i), m, g);
+          if (logits) wv = _mm512_mul_ps(wv, g);
+          return v512::residual16(wv, v512::load16(qrow, i), inv_total);
+        });
+      }
+    }
+    if (full < chunks) {
+      const int64_t begin = static_cast<int64_t>(full) * verify::kChunk;
+      if (cached) {
+        const auto rest = [&](int64_t i) { return f.from_weight(rw.from_local(cl[i], i), i); };
+        out[full] = verify::chunk_sum(rest, begin, n);
+      } else {
+        out[full] = verify::chunk_sum(f, begin, n);
+      }
+    }
+    return verify::sequential_total(out, chunks);
+  }
+
+  // The largest raw value of every chunk of the last scanned row (maxima_row_, maxima_n_).
+  std::vector<float> raw_max_;
+  const void* maxima_row_ = nullptr;
+  int64_t maxima_n_ = 0;
+  // L_c of the unmasked local weights taken by a fused scan of pending_row_ at
+  // pending_inv_temp_ (for logits, row_weights_ then holds those local weights).
   std::vector<float> pending_;
   const void* pending_row_ = nullptr;
   int64_t pending_n_ = 0;
+  float pending_inv_temp_ = 0.f;
 };
 #pragma GCC pop_options
 #endif

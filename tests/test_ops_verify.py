@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from conftest import requires_cuda  # noqa: E402
 from reference_verify import outcome_distribution, processed_probs  # noqa: E402
 
-NUM_STAT_TESTS = 30  # at least the number of g_test calls in this file (22)
+NUM_STAT_TESTS = 30  # at least the number of g_test calls in this file (25)
 ALPHA = 1e-3 / NUM_STAT_TESTS
 N_DRAWS = 1_000_000  # outcomes per statistical case (the issue's number)
 CHUNK = 250_000  # rows per native call
@@ -148,6 +148,70 @@ def test_sample_matches_processed_distribution(temperature, top_k, top_p):
     assert int(res.status.abs().sum()) == 0
     p = processed_probs(logits, temperature, top_k, top_p)
     g_test(hist(res.tokens, v), dict(enumerate(p.tolist())), f"sample T={temperature}")
+
+
+def spread_logits(gen: torch.Generator, v: int) -> tuple[torch.Tensor, list[int]]:
+    """Logits over a vocabulary of several chunks (kChunk = 256 tokens) whose mass sits in
+    tokens of different chunks, with chunk maxima far apart (so every chunk has its own local
+    max m_c and scale g_c = exp(m_c - M)), and -inf elsewhere (so the outcome table is small)."""
+    support = [0, 3, 200, 255, 256, 300, 511, 512, 700, 767, 768, 1023, 1024, v - 1]
+    logits = torch.full((v,), -math.inf)
+    logits[support] = torch.randn(len(support), generator=gen) * 2
+    logits[[200, 255]] -= 3.0  # chunk 0's max is below the row's by several units
+    logits[[512, 700, 767]] += 2.5
+    logits[300] = -30.0  # about e^-30 of the max: never drawn, but not weight 0
+    return logits, support
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.85)])
+def test_sample_over_several_chunks_matches_processed_distribution(temperature, top_p):
+    """The weights of a logits row are defined chunk by chunk (each chunk's exps taken against
+    its own max, then scaled by exp(m_c - M)); the draws must still follow softmax(logits / T)
+    with the top-p cut, which a vocabulary of one chunk would not show."""
+    gen = torch.Generator().manual_seed(21)
+    v = 5 * 256 + 37  # a partial last chunk
+    logits, _ = spread_logits(gen, v)
+    block = 50_000
+    rows = logits.expand(block, v).contiguous()
+    res = draws(
+        lambda base, b: ops.sample(rows[:b], temperature, 0, top_p, seed=seeds(b, base), offset=2),
+        chunk=block,
+    )
+    assert int(res.status.abs().sum()) == 0
+    p = processed_probs(logits, temperature, 0, top_p)
+    g_test(hist(res.tokens, v), dict(enumerate(p.tolist())), f"sample chunks T={temperature}")
+
+
+@pytest.mark.slow
+def test_chain_over_several_chunks_first_token_is_target_distributed():
+    """A one-draft chain with q over a vocabulary of several chunks: the acceptance ratio
+    p(x) / q(x) and the residual max(p - q, 0) use the chunk-scaled weights, and the first
+    emitted token must be distributed as p."""
+    gen = torch.Generator().manual_seed(22)
+    v = 5 * 256 + 37
+    logits, support = spread_logits(gen, v)
+    p = torch.softmax(logits.double(), -1)
+    q = torch.zeros(v, dtype=torch.float64)
+    q[support] = torch.rand(len(support), generator=gen, dtype=torch.float64)
+    q[[3, 1024]] = 0.0  # drafts never proposed there
+    q[5] = 0.3  # a proposal the target gives probability 0: always rejected
+    q = q / q.sum()
+    block = 50_000
+    target = torch.stack([logits, logits]).expand(block, 2, v).contiguous()
+    draft = q.float().expand(block, 2, v).contiguous()
+
+    def run(base: int, m: int):
+        tokens = torch.zeros(m, 2, dtype=torch.int64)
+        tokens[:, 1] = torch.multinomial(q.expand(m, v), 1, generator=gen)[:, 0]
+        return ops.verify(target[:m], tokens, draft_probs=draft[:m], seed=seeds(m, base), offset=4)
+
+    res = draws(run, chunk=block)
+    assert int(res.status.abs().sum()) == 0
+    g_test(hist(res.emitted[:, 0], v), dict(enumerate(p.tolist())), "chain over chunks")
+    alpha = float(torch.minimum(p, q).sum())
+    mean = float(res.num_accepted.double().mean())
+    assert abs(mean - alpha) < 6 / math.sqrt(N_DRAWS), (mean, alpha)
 
 
 def test_sample_probability_inputs_and_greedy():
@@ -630,6 +694,10 @@ for v in (3001, 4352):
     logits[0, 0, ::3] = -float("inf")  # weights that are exactly 0
     logits[1, 0, :] = 50.0  # ties everywhere: the argmax is the first index
     logits[2, 1, :40] = -100.0  # below the exp's flush threshold
+    # Chunks far below the row's max: their scales g_c = exp(m_c - M) are tiny or flush to 0.
+    logits[7, 0, :512] -= 60.0
+    logits[7, 0, 512:768] -= 100.0
+    logits[8, 0, 256:512] = -float("inf")  # a chunk with no mass at all
     q = torch.softmax(torch.randn(b, n, v, generator=g) * 2, -1)
     q[3, 0, 7] = 0.0
     tokens = torch.randint(0, v, (b, n), generator=g)
@@ -643,6 +711,7 @@ for v in (3001, 4352):
         (logits, dict(draft_probs=q)),
         (logits, dict(parents=parents, draft_probs=q, top_k=40, top_p=0.8)),
         (logits, dict(temperature=0.6)),
+        (logits, dict(draft_probs=q, top_p=0.9)),  # top-p after the one-pass scan
         (logits, dict(temperature=0.0)),
         (logits, dict(method="typical")),
         (probs, dict(target_is_logits=False, draft_probs=q)),

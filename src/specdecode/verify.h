@@ -8,20 +8,38 @@
 // executor in cuda/verify.cu):
 //
 //   bool leader()                          the one thread that writes outputs
-//   ScanResult scan(n, load, is_bad)       max value, its lowest index, and whether any is bad
-//   float chunk_sums(n, f, which)          canonical chunk sums of f into sums(which); the total
+//   ScanResult scan(n, load, is_bad, hint) max value, its lowest index, and whether any is bad
+//   float chunk_sums(n, f, which)          canonical chunk sums of f into sums(which) (for the
+//                                          row weights RowWeight: S_c below); the total
 //   float* sums(which)                     the chunk sums of the last chunk_sums(., ., which)
 //   int64_t count_if(n, pred)              exact count
 //   float kth_largest(n, load, k)          the k-th largest value (exact, so order-free)
+//   void chunk_scales(n, load, inv_temp, M) m_c and g_c (below) of every chunk of a logits row
+//   float* chunk_max() / chunk_scale()     where chunk_scales put them
+// scan() also receives a ScanHint: when hint.fuse, a backend may take the chunk maxima and the
+// unmasked local weights' chunk sums during the scan and hand them to the chunk_scales() and
+// chunk_sums() calls of the same row that follow (same numbers, one read of the row).
 //
 // Sums are canonical: the vocabulary is cut into chunks of kChunk tokens; a chunk's sum adds its
 // elements into 8 lanes (element i into lane i % 8, in increasing i) and combines the lanes as
 // ((0+1)+(2+3))+((4+5)+(6+7)); the row total adds the chunk sums in chunk order. Both backends
 // compute exactly this, so totals, thresholds and sampled tokens agree bit for bit.
 //
-// Sampling is by inverse CDF over those chunk sums: one uniform u, the chunk where the running
-// chunk total first exceeds u * total, then a sequential scan inside that one chunk. It needs no
-// extra pass over the row beyond the sums and never picks a token of weight 0.
+// The weights of a logits row are defined chunk by chunk, so that a backend can find a chunk's
+// max, take its exps and sum them while the chunk is in L1 (one read of the row from memory):
+//   s_i = raw_i * inv_temp,  m_c = max of s over chunk c,  M = max of m_c over the row
+//   local_i = exp_approx(s_i - m_c)    (0 where raw_i < kth, the top-k threshold)
+//   g_c = exp_approx(m_c - M)          (the chunk's scale; the chunk holding the argmax has 1)
+//   w_i = local_i * g_c                (0 where w_i < wmin, the top-p threshold: then local_i
+//                                       counts as 0 too)
+//   S_c = chunk_sum(local, c) * g_c    (the chunk sum of the row weights: ONE multiply after the
+//                                       canonical lane sum, not the sum of the w_i)
+// Every use of the row takes these numbers: the total (sum of S_c in order), the inverse-CDF
+// draw (S_c, then w_i inside the chunk), the acceptance ratios (w_x / total), the residuals
+// (max(w_i / total - q_i, 0)), the entropy and the top-p search. m_c is fmul(max raw, inv_temp),
+// equal to the max of the s_i since rounding a product by a positive number is monotone. A
+// probability row has w_i = raw_i (masked) and S_c its plain chunk sum.
+//
 #pragma once
 
 #include <cstdint>
@@ -240,7 +258,18 @@ SD_HD_INLINE int64_t pick_by_cdf(const F& f, const float* sums, int64_t n, float
     if (run > rest) return i;
   }
   // The element-wise running sum can round below the lane-wise chunk sum.
-  return last;
+  if (last >= 0) return last;
+  // A chunk sum S_c = L_c * g_c can be positive while every w_i = local_i * g_c of the chunk
+  // underflowed to 0 (weights below 2^-149, far below 2^-126 of the row's most likely token):
+  // the draw goes to the nearest token with weight, after the chunk first, then before it. The
+  // row's argmax always has weight 1, so a row with total > 0 always has one.
+  for (int64_t i = end; i < n; ++i) {
+    if (f(i) > 0.f) return i;
+  }
+  for (int64_t i = begin - 1; i >= 0; --i) {
+    if (f(i) > 0.f) return i;
+  }
+  return -1;
 }
 
 struct ScanResult {
@@ -248,6 +277,25 @@ struct ScanResult {
   int64_t argmax;
   bool bad;
 };
+
+// What prepare_row will ask of the row after its scan: with fuse, the chunk maxima, then the
+// chunk sums of the weights with no top-k / top-p mask (kth = -inf, wmin = 0) at inv_temp.
+struct ScanHint {
+  bool fuse;
+  float inv_temp;
+};
+
+// local_i of a logit raw in a chunk of scaled max m (before the top-k / top-p masks).
+SD_HD_INLINE float local_logit_weight(float raw, float inv_temp, float m) {
+  return exp_approx(fsub(fmul(raw, inv_temp), m));
+}
+
+// m_c and g_c of a chunk whose largest raw value is raw_max (see the top of this file).
+SD_HD_INLINE void chunk_scale_of(float raw_max, float inv_temp, float scaled_max, float* m,
+                                 float* g) {
+  *m = fmul(raw_max, inv_temp);
+  *g = exp_approx(fsub(*m, scaled_max));
+}
 
 // ---- per-sequence parameters and the processed target row ------------------------------------
 
@@ -260,10 +308,10 @@ struct SeqParams {
 };
 
 // The sampling distribution of one target row, never materialised: w(i) = weight(raw(i)) and
-// p(i) = w(i) / total. For logits w(i) = exp(raw * inv_temp - scaled_max), so the most likely
-// token has weight 1; for probabilities w(i) = raw. Top-k keeps raw >= kth (ties at the k-th
-// value are all kept); top-p then keeps w >= wmin, the largest threshold whose kept mass is still
-// >= top_p * (mass after top-k) (ties at the threshold are all kept).
+// p(i) = w(i) / total. For logits w(i) = local_i * g_c as defined at the top of this file, so the
+// most likely token has weight 1; for probabilities w(i) = raw. Top-k keeps raw >= kth (ties at
+// the k-th value are all kept); top-p then keeps w >= wmin, the largest threshold whose kept mass
+// is still >= top_p * (mass after top-k) (ties at the threshold are all kept).
 struct RowState {
   float max_raw;
   int64_t argmax;
@@ -272,6 +320,8 @@ struct RowState {
   float wmin;
   float total;
   int32_t status;
+  const float* chunk_max;    // m_c of every chunk (logits rows with a distribution)
+  const float* chunk_scale;  // g_c of every chunk
 };
 
 // The thresholds are held by value (not through a RowState pointer) so that a CPU loop over the
@@ -283,23 +333,60 @@ struct RowWeight {
   float kth;
   float scaled_max;
   float wmin;
-  SD_HD_INLINE float operator()(int64_t i) const {
+  const float* chunk_max;    // m_c (logits only)
+  const float* chunk_scale;  // g_c (logits only)
+  // Whether the top-k / top-p masks can change anything: off, they are skipped (raw >= -inf
+  // holds for every row that passed the scan, and w >= 0 for every weight).
+  SD_HD_INLINE bool masked() const { return kth > -kInf || wmin > 0.f; }
+  SD_HD_INLINE float scale(int64_t i) const {
+    if constexpr (IsProb<T>::value) {
+      return 1.f;
+    } else {
+      return chunk_scale[i / kChunk];
+    }
+  }
+  // local_i as summed into L_c (0 where a mask drops the token); for probabilities, w itself.
+  SD_HD_INLINE float local(int64_t i) const {
     // Branch-free (computed, then selected) so that CPU loops over i vectorise.
     const float raw = load_elem(row, i);
-    float w;
     if constexpr (IsProb<T>::value) {
-      w = raw >= kth ? raw : 0.f;
+      const float w = raw >= kth ? raw : 0.f;
+      return w >= wmin ? w : 0.f;
     } else {
-      const float e = exp_approx(fsub(fmul(raw, inv_temp), scaled_max));
-      w = raw >= kth ? e : 0.f;
+      const float e = local_logit_weight(raw, inv_temp, chunk_max[i / kChunk]);
+      const float kept = raw >= kth ? e : 0.f;
+      return fmul(kept, chunk_scale[i / kChunk]) >= wmin ? kept : 0.f;
     }
-    return w >= wmin ? w : 0.f;
   }
+  // w_i from local_i (a backend that holds local_i needs no second exp).
+  SD_HD_INLINE float from_local(float l, int64_t i) const {
+    if constexpr (IsProb<T>::value) {
+      return l;
+    } else {
+      return fmul(l, scale(i));
+    }
+  }
+  SD_HD_INLINE float operator()(int64_t i) const { return from_local(local(i), i); }
 };
 
 template <class T>
 SD_HD_INLINE RowWeight<T> row_weight_of(const T* row, float inv_temp, const RowState& st) {
-  return RowWeight<T>{row, inv_temp, st.kth, st.scaled_max, st.wmin};
+  return RowWeight<T>{row, inv_temp, st.kth, st.scaled_max, st.wmin, st.chunk_max, st.chunk_scale};
+}
+
+// S_c, the canonical chunk sum of the row weights (one multiply after the lane sum), and the
+// plain canonical chunk sum of any other per-token function.
+template <class T>
+SD_HD_INLINE float canonical_chunk_sum(const RowWeight<T>& f, int64_t begin, int64_t end) {
+  struct Local {
+    const RowWeight<T>* f;
+    SD_HD_INLINE float operator()(int64_t i) const { return f->local(i); }
+  };
+  return f.from_local(chunk_sum(Local{&f}, begin, end), begin);
+}
+template <class F>
+SD_HD_INLINE float canonical_chunk_sum(const F& f, int64_t begin, int64_t end) {
+  return chunk_sum(f, begin, end);
 }
 
 template <class T>
@@ -332,8 +419,12 @@ SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, const SeqPa
   st.wmin = 0.f;
   st.total = 0.f;
   st.status = 0;
+  st.chunk_max = nullptr;
+  st.chunk_scale = nullptr;
   const RowLoad<T> load{row};
-  const ScanResult r = ex.scan(n, load, BadTarget{logits});
+  const bool top_k = sp.top_k > 0 && sp.top_k < n;
+  const ScanHint hint{need_distribution && !top_k, sp.inv_temp};
+  const ScanResult r = ex.scan(n, load, BadTarget{logits}, hint);
   if (r.bad) {
     st.status = kNonFiniteTarget;
     return st;
@@ -351,8 +442,11 @@ SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, const SeqPa
       st.status = kNonFiniteTarget;
       return st;
     }
+    ex.chunk_scales(n, load, sp.inv_temp, st.scaled_max);
+    st.chunk_max = ex.chunk_max();
+    st.chunk_scale = ex.chunk_scale();
   }
-  if (sp.top_k > 0 && sp.top_k < n) st.kth = ex.kth_largest(n, load, sp.top_k);
+  if (top_k) st.kth = ex.kth_largest(n, load, sp.top_k);
   float total = ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 0);
   if (sp.top_p < 1.f) {
     const float wanted = fmul(sp.top_p, total);
