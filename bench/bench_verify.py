@@ -134,6 +134,11 @@ def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="B=8 only, fewer cases")
+    ap.add_argument(
+        "--goal-row",
+        action="store_true",
+        help="only the goal row: chain k=4, B=64, V=128256",
+    )
     ap.add_argument("--out", default=None, help="write the markdown table here too")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -156,8 +161,11 @@ def main() -> None:
     heap = [-1] + [(i - 1) // 2 for i in range(1, 64)]
     shapes = [("chain k=4", None, 5), ("chain k=8", None, 9), ("tree 64", heap, 64)]
     batches = [8] if args.quick else [1, 8, 64]
+    vocabs = (32000, 128256)
+    if args.goal_row:
+        shapes, batches, vocabs = shapes[:1], [64], (128256,)
     for name, parents_list, n in shapes:
-        for v in (32000, 128256):
+        for v in vocabs:
             for b in batches:
                 lines += run_case(name, parents_list, n, v, b, gen, bw, _speculative_sampling)
     if args.out:
