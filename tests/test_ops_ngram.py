@@ -230,6 +230,27 @@ def test_matches_reference_real_stream(config, start, chunks):
         run_script(native, ref, [("draft", [0], [ctx], 24, 6, False)], slots=[0])
 
 
+def test_recency_log_compaction_keeps_exact_lru_order():
+    """Few leaders touched many times: the native recency log (4 x max_leaders entries) fills and
+    is compacted again and again, both by lookups (touch_on_read) and by inserts, with evictions
+    in between; the LRU order, hence every eviction and every draft, must stay the reference's."""
+    config = dict(tables=[(1, 1), (2, 1)], max_leaders=3, max_followers=2)
+    native = NGramCache(max_sequences=2, **config)
+    ref = RefNGramCache(max_sequences=2, **config)
+    rng = np.random.default_rng(0)
+    inserted = 0
+    for step in range(400):
+        if step % 3:
+            ctxs = [rng.integers(0, 5, size=2).tolist() for _ in range(2)]
+            run_script(native, ref, [("draft", [0, 1], ctxs, 8, 3, False)], slots=[0, 1])
+        else:
+            rows = [rng.integers(0, 5, size=int(rng.integers(0, 6))).tolist() for _ in range(2)]
+            inserted += len(rows[0])
+            run_script(native, ref, [("update", [0, 1], rows)], slots=[0, 1])
+    # Slot 0 alone inserted many times more windows than its tables' logs (32 entries) hold.
+    assert inserted > 10 * 32
+
+
 @pytest.mark.parametrize("chain", [False, True])
 def test_batched_replay_matches_reference(chain):
     """A batch large enough for the native prefetch pipelines (rows ahead, victims down the LRU

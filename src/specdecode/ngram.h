@@ -4,27 +4,41 @@
 // A table instance is a view over memory allocated once by its owner (see ngram_ops.h); nothing
 // here allocates, so the memory of a cache never grows. Layout of one instance, in int32 words:
 //
-//   meta  [4]                    count (leaders in use), lru (least recent leader), mru, 0
+//   meta  [8]                    count (leaders in use), head, tail, 0...
+//   live  [ring / 32]            bit q set iff log entry q is live
+//   log   [ring]                 the recency log: slot indices in the order of their touches
 //   slots [hash_cap * record]    open addressing with linear probing over the records themselves:
-//           prev, next           intrusive doubly linked LRU list over slot indices (-1 ends)
+//           seq                  the log position of the leader's latest touch (its live entry)
 //           state                0: the slot is empty; else 1 + the number of followers
 //           tag                  the leader's hash (its home slot is tag & (hash_cap - 1))
 //           key [leader_len]
 //           row [max_followers * (follower_len + 2)]: follower tokens, then its int64 stamp
 //
-// A leader is identified by its slot. The records live in the hash table itself, so a lookup
-// costs one cache miss (the home slot's record: tag, key and row side by side; the next slots
-// of a probe run follow in memory) instead of a bucket miss followed by a record miss: once a
-// batch's tables exceed the last-level cache the cache is bound by such misses. The table is at
-// most half full (hash_cap >= 2 * max_leaders), so probe runs stay short.
+// Leader recency is an exact LRU kept as a log of touches instead of a linked list: a touch (an
+// insert or a lookup of a known leader) clears the live bit of the leader's previous entry and
+// appends a new entry at `tail`, writing only the leader's own record, the log's tail and two
+// bits, where relinking a list node also writes its two neighbours' records (two more cache
+// misses once a batch's tables outgrow the caches). Log positions are unique and increase with
+// every touch, so they order the leaders exactly as the reference's OrderedDict does; the least
+// recently used leader is the first live entry at or after `head`, found by scanning the bit
+// words. When the log is full it is compacted in place (live entries move to the front in order,
+// their records' seq is rewritten): at most max_leaders entries are live and the log holds
+// 4 * max_leaders, so that happens at most once per 3 * max_leaders touches.
+//
+// The records live in the hash table itself, so a lookup costs one cache miss (the home slot's
+// record: tag, key and row side by side; the next slots of a probe run follow in memory) instead
+// of a bucket miss followed by a record miss. The table is at most half full
+// (hash_cap >= 2 * max_leaders), so probe runs stay short.
 //
 // Invariants: count leaders are in use, each in exactly one slot on the probe run from its home
-// slot (no empty slot in between), and in the LRU list exactly once; a full table evicts the least
-// recently used leader before it adds one. Deletion shifts later records of the probe run back
-// (no tombstones) and relinks the LRU neighbours of every record it moves. A row holds its
-// followers physically ordered most recent first, with pairwise distinct token tuples and
-// strictly decreasing stamps. Rows are at most 64 long, so keeping them ordered by shifting is
-// cheaper than a second level of links.
+// slot (no empty slot in between), and with exactly one live log entry, at position seq in
+// [head, tail), naming its slot; live bits are clear outside [head, tail); if count > 0 the entry
+// at tail - 1 is live (the most recent leader). A full table evicts the least recently used
+// leader before it adds one. Deletion shifts later records of the probe run back (no
+// tombstones) and points the live log entry of every record it moves at its new slot. A row
+// holds its followers physically ordered most recent first, with pairwise distinct token tuples
+// and strictly decreasing stamps. Rows are at most 64 long, so keeping them ordered by shifting
+// is cheaper than a second level of links.
 #pragma once
 
 #include <cstdint>
@@ -45,12 +59,14 @@ struct TableShape {
   int follower_len = 2;
   int max_leaders = 256;
   int max_followers = 4;
-  int hash_cap = 0;   // slots: a power of two >= 2 * max_leaders, so probe runs stay short
-  int entry = 0;      // int32 words per follower: tokens + an int64 stamp
-  int record = 0;     // int32 words per slot
+  int hash_cap = 0;  // slots: a power of two >= 2 * max_leaders, so probe runs stay short
+  int ring = 0;      // recency log entries: 4 * max_leaders rounded up to a multiple of 32
+  int entry = 0;     // int32 words per follower: tokens + an int64 stamp
+  int record = 0;    // int32 words per slot
+  int64_t off_live = 0, off_log = 0, off_slots = 0;
   int64_t words = 0;  // int32 words per instance
 
-  static constexpr int64_t kOffSlots = 4;
+  static constexpr int64_t kMeta = 8;
 
   static TableShape make(int leader_len, int follower_len, int max_leaders, int max_followers) {
     TableShape s;
@@ -60,9 +76,13 @@ struct TableShape {
     s.max_followers = max_followers;
     s.hash_cap = 2;
     while (s.hash_cap < 2 * max_leaders) s.hash_cap *= 2;
+    s.ring = (4 * max_leaders + 31) / 32 * 32;
     s.entry = follower_len + 2;
-    s.record = 4 + leader_len + max_followers * s.entry;
-    s.words = kOffSlots + static_cast<int64_t>(s.hash_cap) * s.record;
+    s.record = 3 + leader_len + max_followers * s.entry;
+    s.off_live = kMeta;
+    s.off_log = s.off_live + s.ring / 32;
+    s.off_slots = s.off_log + s.ring;
+    s.words = s.off_slots + static_cast<int64_t>(s.hash_cap) * s.record;
     return s;
   }
 };
@@ -93,10 +113,14 @@ class Table {
 
   const TableShape& shape() const { return *s_; }
   int count() const { return w_[0]; }
-  int lru() const { return w_[1]; }
-  int mru() const { return w_[2]; }
-  int prev(int leader) const { return rec(leader)[kPrev]; }
-  int next(int leader) const { return rec(leader)[kNext]; }
+  // The least / most recently used leader's slot, or -1 for an empty table.
+  int lru() const { return w_[0] > 0 ? log()[next_live(w_[1])] : -1; }
+  int mru() const { return w_[0] > 0 ? log()[w_[2] - 1] : -1; }
+  // The slot of the next more recently used leader, or -1 (walks the log; for introspection).
+  int next(int leader) const {
+    const int q = next_live(rec(leader)[kSeq] + 1);
+    return q < w_[2] ? log()[q] : -1;
+  }
   int num_followers(int leader) const { return rec(leader)[kState] - 1; }
   const int32_t* key(int leader) const { return rec(leader) + kKey; }
   // Follower j (0 = most recent) of a leader's row.
@@ -108,10 +132,7 @@ class Table {
   }
 
   void clear() {
-    w_[0] = 0;
-    w_[1] = -1;
-    w_[2] = -1;
-    w_[3] = 0;
+    for (int64_t i = 0; i < s_->off_log; ++i) w_[i] = 0;  // meta and live bits
     for (int i = 0; i < s_->hash_cap; ++i) rec(i)[kState] = 0;
   }
 
@@ -132,10 +153,11 @@ class Table {
 
   // Prefetch hints for batched callers, which know later rows' leaders ahead of time. Each
   // stage assumes the previous one has landed: stage 0 pulls in the leader's home slot (whose
-  // record is the leader's in the common case) and the table's meta words; stage 1, for a hit in
-  // the home slot, the records a touch relinks (the LRU neighbours and the most recent leader);
-  // stages 1, 2, 3, ..., for a new leader in a full table, the records of the 1st, 2nd, 3rd, ...
-  // least recent leaders (see below). Hints only: reading a stale slot or record is harmless.
+  // record is the leader's in the common case) and the table's meta words; stage 1 the log and
+  // live words a touch or an append writes (at the record's seq and at the tail) and, for a new
+  // leader in a full table, those at the head; stage 2 the records of the 1st and 2nd least
+  // recent leaders (the victims of an update's first two new leaders) and stage 3 the 3rd's.
+  // Hints only: reading a stale slot or record is harmless.
   // `insert` says whether the caller will insert (else it only looks up and touches).
   void prefetch(uint32_t h, int stage, bool insert) const {
     const int home = static_cast<int>(h & static_cast<uint32_t>(s_->hash_cap - 1));
@@ -146,24 +168,37 @@ class Table {
       return;
     }
     const bool hit = r[kState] != 0 && static_cast<uint32_t>(r[kTag]) == h;
-    if (hit) {
-      if (stage != 1) return;
-      if (r[kPrev] >= 0) __builtin_prefetch(rec(r[kPrev]), 1);
-      if (r[kNext] >= 0) __builtin_prefetch(rec(r[kNext]), 1);
-      if (w_[2] >= 0) __builtin_prefetch(rec(w_[2]), 1);
+    const bool evicts = insert && !hit && w_[0] >= s_->max_leaders;
+    if (stage == 1) {
+      const int tail = w_[2];
+      if (tail < s_->ring) {
+        __builtin_prefetch(log() + tail, 1);
+        __builtin_prefetch(live() + (tail >> 5), 1);
+      }
+      if (hit) {
+        const int q = r[kSeq];
+        if (q >= 0 && q < s_->ring) __builtin_prefetch(live() + (q >> 5), 1);
+      }
+      if (evicts) {
+        const int head = w_[1];
+        if (head >= 0 && head < s_->ring) {
+          __builtin_prefetch(live() + (head >> 5));
+          __builtin_prefetch(log() + head);
+        }
+      }
       return;
     }
-    // A new leader in a full table: an update's e-th new leader evicts the e-th least recent
-    // leader, so stage s walks one link further down the LRU list than stage s - 1 did (whose
-    // record has landed) and prefetches that victim's record, the slot after it (the backward
-    // shift reads it) and the most recent leader's record (push_mru writes it).
-    if (!insert || w_[0] < s_->max_leaders || w_[1] < 0) return;
-    int victim = w_[1];
-    for (int i = 1; i < stage && victim >= 0; ++i) victim = rec(victim)[kNext];
-    if (victim < 0) return;
-    prefetch_record(victim);
-    __builtin_prefetch(rec((victim + 1) & (s_->hash_cap - 1)));
-    if (w_[2] >= 0) __builtin_prefetch(rec(w_[2]), 1);
+    if (!evicts) return;
+    // Victim k (k = 0, 1, ...) is the k-th live log entry from the head.
+    const int first = stage == 2 ? 0 : 2, last = stage == 2 ? 1 : 2;
+    int q = next_live(w_[1]);
+    for (int k = 0; k < first && q < w_[2]; ++k) q = next_live(q + 1);
+    for (int k = first; k <= last && q < w_[2]; ++k, q = next_live(q + 1)) {
+      const int victim = log()[q];
+      if (victim < 0 || victim >= s_->hash_cap) return;
+      prefetch_record(victim);
+      __builtin_prefetch(rec((victim + 1) & (s_->hash_cap - 1)));
+    }
   }
 
   // The slot of the leader with hash h if it sits in its home slot (tags only, keys are not
@@ -184,9 +219,11 @@ class Table {
 
   // Makes a leader the most recently used.
   void touch(int leader) {
-    if (w_[2] == leader) return;
-    unlink(leader);
-    push_mru(leader);
+    int32_t* r = rec(leader);
+    const int q = r[kSeq];
+    if (q == w_[2] - 1) return;  // already the most recent
+    live()[q >> 5] &= ~(1u << (q & 31));
+    append(leader, r);
   }
 
   // Records that `follower` came after `leader`. A known leader and a known follower become
@@ -211,9 +248,12 @@ class Table {
     if (w_[0] < s_->max_leaders) {
       ++w_[0];
     } else {
-      const int victim = w_[1];
-      unlink(victim);
-      erase_slot(victim);
+      // The first live entry from the head is the least recent leader; nothing before it is
+      // live, so the head moves past it.
+      const int q = next_live(w_[1]);
+      live()[q >> 5] &= ~(1u << (q & 31));
+      w_[1] = q + 1;
+      erase_slot(log()[q]);
     }
     const uint32_t mask = static_cast<uint32_t>(s_->hash_cap - 1);
     uint32_t pos = h & mask;
@@ -223,7 +263,7 @@ class Table {
     std::memcpy(r + kKey, leader, sizeof(int32_t) * s_->leader_len);
     r[kTag] = static_cast<int32_t>(h);
     r[kState] = 1;
-    push_mru(idx);
+    append(idx, r);
     return idx;
   }
 
@@ -243,11 +283,59 @@ class Table {
   }
 
  private:
-  enum : int { kPrev = 0, kNext = 1, kState = 2, kTag = 3, kKey = 4 };
+  enum : int { kSeq = 0, kState = 1, kTag = 2, kKey = 3 };
 
-  int32_t* rec(int slot) const { return w_ + TableShape::kOffSlots + int64_t{slot} * s_->record; }
+  int32_t* rec(int slot) const { return w_ + s_->off_slots + int64_t{slot} * s_->record; }
   int32_t* entry(int leader, int j) const {
     return rec(leader) + kKey + s_->leader_len + j * s_->entry;
+  }
+  uint32_t* live() const { return reinterpret_cast<uint32_t*>(w_ + s_->off_live); }
+  int32_t* log() const { return w_ + s_->off_log; }
+
+  // The first live log position >= q, or tail if there is none.
+  int next_live(int q) const {
+    const int tail = w_[2];
+    const uint32_t* bits = live();
+    while (q < tail) {
+      const uint32_t word = bits[q >> 5] >> (q & 31);
+      if (word != 0) return q + __builtin_ctz(word);  // live bits lie below tail
+      q = (q | 31) + 1;
+    }
+    return tail;
+  }
+
+  // Logs a touch of the leader in `slot` (record r) at the tail; its previous entry, if any, is
+  // already dead.
+  void append(int slot, int32_t* r) {
+    if (w_[2] == s_->ring) compact();
+    const int t = w_[2]++;
+    log()[t] = slot;
+    live()[t >> 5] |= 1u << (t & 31);
+    r[kSeq] = t;
+  }
+
+  // Moves the live entries to the front of the log, in order, and renumbers their records. At
+  // most max_leaders of the 4 * max_leaders entries are live, so the log is at most a quarter
+  // full afterwards. Entries only move down (out <= q), so none is overwritten before it is read.
+  void compact() {
+    uint32_t* bits = live();
+    int32_t* lg = log();
+    const int words = s_->ring >> 5;
+    int out = 0;
+    for (int i = w_[1] >> 5; i < words; ++i) {
+      for (uint32_t word = bits[i]; word != 0; word &= word - 1) {
+        const int q = (i << 5) + __builtin_ctz(word);
+        const int slot = lg[q];
+        lg[out] = slot;
+        rec(slot)[kSeq] = out++;
+      }
+    }
+    for (int i = 0; i < words; ++i) {
+      const int lo = i << 5;
+      bits[i] = out >= lo + 32 ? ~0u : out > lo ? (1u << (out - lo)) - 1 : 0u;
+    }
+    w_[1] = 0;
+    w_[2] = out;
   }
 
   void write_entry(int32_t* e, const int32_t* follower, int64_t stamp) {
@@ -271,34 +359,10 @@ class Table {
     write_entry(row, follower, stamp);
   }
 
-  void unlink(int leader) {
-    int32_t* r = rec(leader);
-    const int p = r[kPrev], n = r[kNext];
-    if (p >= 0)
-      rec(p)[kNext] = n;
-    else
-      w_[1] = n;
-    if (n >= 0)
-      rec(n)[kPrev] = p;
-    else
-      w_[2] = p;
-  }
-
-  void push_mru(int leader) {
-    int32_t* r = rec(leader);
-    r[kPrev] = w_[2];
-    r[kNext] = -1;
-    if (w_[2] >= 0)
-      rec(w_[2])[kNext] = leader;
-    else
-      w_[1] = leader;
-    w_[2] = leader;
-  }
-
-  // Empties a slot whose leader is already unlinked from the LRU list. Backward-shift deletion:
-  // later records of the probe run move up into the hole unless their home slot lies cyclically
-  // after the hole, so lookups never need tombstones; a moved record's LRU neighbours (or the
-  // list's ends) are pointed at its new slot.
+  // Empties a slot whose leader's log entry is already dead. Backward-shift deletion: later
+  // records of the probe run move up into the hole unless their home slot lies cyclically after
+  // the hole, so lookups never need tombstones; a moved record's live log entry is pointed at its
+  // new slot.
   void erase_slot(int slot) {
     const uint32_t mask = static_cast<uint32_t>(s_->hash_cap - 1);
     uint32_t hole = static_cast<uint32_t>(slot);
@@ -313,15 +377,7 @@ class Table {
         int32_t* rh = rec(static_cast<int>(hole));
         const int used = kKey + s_->leader_len + (rj[kState] - 1) * s_->entry;
         std::memcpy(rh, rj, sizeof(int32_t) * used);
-        const int to = static_cast<int>(hole);
-        if (rh[kPrev] >= 0)
-          rec(rh[kPrev])[kNext] = to;
-        else
-          w_[1] = to;
-        if (rh[kNext] >= 0)
-          rec(rh[kNext])[kPrev] = to;
-        else
-          w_[2] = to;
+        log()[rh[kSeq]] = static_cast<int32_t>(hole);
         hole = j;
       }
     }
