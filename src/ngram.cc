@@ -380,9 +380,9 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
                        int32_t* out_num_nodes) {
   // The root's leaders are the contexts' last tokens, known for every row up front. Each row's
   // context lies in memory of its own, so the rows ahead first get the end of their context
-  // (three rows ahead), then their home slots (two rows ahead) and then, for a touch, the
-  // records it relinks (one row ahead).
-  const bool touch = config_.touch_on_read && !frozen_;
+  // (three rows ahead), then their home slots (two rows ahead) and then the next slot of the
+  // probe run if the home slot does not hold the leader, and the log words a touch writes (one
+  // row ahead).
   auto prefetch = [&](int64_t b, int stage) {
     const int32_t* ctx = contexts + b * ctx_stride;
     for (int k = 0; k < num_tables(); ++k) {
@@ -451,7 +451,7 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
         }
         if (b + 2 < end) prefetch(b + 2, 0);
         if (b + 1 < end) {
-          if (touch) prefetch(b + 1, 1);
+          prefetch(b + 1, 1);
           if (max_depth >= 2) deep(b + 1);
         }
       }

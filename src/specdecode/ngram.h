@@ -152,32 +152,46 @@ class Table {
   uint32_t hash_of(const int32_t* leader) const { return hash_tokens(leader, s_->leader_len); }
 
   // Prefetch hints for batched callers, which know later rows' leaders ahead of time. Each
-  // stage assumes the previous one has landed: stage 0 pulls in the leader's home slot (whose
-  // record is the leader's in the common case) and the table's meta words; stage 1 the log and
-  // live words a touch or an append writes (at the record's seq and at the tail) and, for a new
-  // leader in a full table, those at the head; stage 2 the records of the 1st and 2nd least
-  // recent leaders (the victims of an update's first two new leaders) and stage 3 the 3rd's.
-  // Hints only: reading a stale slot or record is harmless.
-  // `insert` says whether the caller will insert (else it only looks up and touches).
+  // stage assumes the previous ones have landed: stage 0 pulls in the leader's home slot and the
+  // table's meta words; every later stage s follows the probe run one slot further (slots home
+  // .. home + s - 1 have landed; if none of them holds the leader's tag or ends the run, the
+  // record at home + s is next: with the table up to half full, about half of the lookups of a
+  // new leader and a third of those of a known one go past the home slot). Stage 1 also pulls in
+  // the log and live words that a touch or an append writes (at the tail, and at the record's seq
+  // for a leader found by tag) and, for a leader not found yet in a full table that the caller
+  // will insert, those at the head; stage 2 the records of the 1st and 2nd least recent leaders
+  // (the victims of an update's first two new leaders) and stage 3 the 3rd's. Hints only:
+  // reading a stale slot or record is harmless. `insert` says whether the caller will insert
+  // (else it only looks up and touches).
   void prefetch(uint32_t h, int stage, bool insert) const {
-    const int home = static_cast<int>(h & static_cast<uint32_t>(s_->hash_cap - 1));
-    const int32_t* r = rec(home);
+    const uint32_t mask = static_cast<uint32_t>(s_->hash_cap - 1);
+    const int home = static_cast<int>(h & mask);
     if (stage == 0) {
       prefetch_record(home);
       __builtin_prefetch(w_, 1);
       return;
     }
-    const bool hit = r[kState] != 0 && static_cast<uint32_t>(r[kTag]) == h;
-    const bool evicts = insert && !hit && w_[0] >= s_->max_leaders;
+    int found = -1;
+    bool ended = false;
+    uint32_t pos = static_cast<uint32_t>(home);
+    for (int i = 0; i < stage; ++i, pos = (pos + 1) & mask) {
+      const int32_t* r = rec(static_cast<int>(pos));
+      if (r[kState] == 0) {
+        ended = true;
+        break;
+      }
+      if (static_cast<uint32_t>(r[kTag]) == h) {
+        found = static_cast<int>(pos);
+        break;
+      }
+    }
+    if (found < 0 && !ended) prefetch_record(static_cast<int>(pos));
+    const bool evicts = insert && found < 0 && w_[0] >= s_->max_leaders;
     if (stage == 1) {
       const int tail = w_[2];
-      if (tail < s_->ring) {
+      if (tail >= 0 && tail < s_->ring) {
         __builtin_prefetch(log() + tail, 1);
         __builtin_prefetch(live() + (tail >> 5), 1);
-      }
-      if (hit) {
-        const int q = r[kSeq];
-        if (q >= 0 && q < s_->ring) __builtin_prefetch(live() + (q >> 5), 1);
       }
       if (evicts) {
         const int head = w_[1];
@@ -186,9 +200,14 @@ class Table {
           __builtin_prefetch(log() + head);
         }
       }
+    }
+    if (found >= 0) {
+      const int q = rec(found)[kSeq];
+      if (q >= 0 && q < s_->ring) __builtin_prefetch(live() + (q >> 5), 1);
       return;
     }
-    if (!evicts) return;
+    if (!evicts || stage > 3) return;
+    if (stage == 1) return;
     // Victim k (k = 0, 1, ...) is the k-th live log entry from the head.
     const int first = stage == 2 ? 0 : 2, last = stage == 2 ? 1 : 2;
     int q = next_live(w_[1]);
