@@ -152,6 +152,15 @@ void NGramCache::end_streams(const int32_t* slots, int64_t batch) {
   for (int64_t b = 0; b < batch; ++b) tail_lens_[slots[b]] = 0;
 }
 
+// Rows per chunk of a threaded batch. A row costs a few hundred nanoseconds, so at least 16
+// amortise the hand-off; beyond that, each chunk restarts the prefetch pipelines (its first rows
+// were not prefetched), so chunks are as long as a few per thread allow: 4 per thread keep the
+// threads balanced when one of them is slowed down.
+static int64_t row_grain(int64_t batch) {
+  const int64_t threads = std::max(1, num_threads());
+  return std::max<int64_t>(16, batch / (4 * threads));
+}
+
 // ---------------------------------------------------------------------------------------------
 // update
 
@@ -228,8 +237,7 @@ void NGramCache::update(const int32_t* slots, int64_t batch, const int32_t* toke
     }
     return;
   }
-  // A row costs a few hundred nanoseconds; chunks of 16 amortise the hand-off.
-  parallel_for(batch, 16, rows);
+  parallel_for(batch, row_grain(batch), rows);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -465,7 +473,7 @@ void NGramCache::draft(const int32_t* slots, int64_t batch, const int32_t* conte
     run(0, batch);
     return;
   }
-  parallel_for(batch, 16, run);
+  parallel_for(batch, row_grain(batch), run);
 }
 
 // ---------------------------------------------------------------------------------------------
