@@ -115,6 +115,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-naive", action="store_true")
     parser.add_argument(
+        "--trees",
+        type=int,
+        nargs="+",
+        default=None,
+        help="tree sizes T of the main table (default 1 4 16 64; --quick: 1 64), "
+        "e.g. --trees 1 2 4 for the memory-bound rows only",
+    )
+    parser.add_argument(
         "--decode-sweep",
         action="store_true",
         help="only T=1 for B in {1, 2, 4, 8} and S in {4096, 16384}: KV GB/s against the read "
@@ -150,7 +158,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     batches = [1] if args.quick else [1, 8]
-    trees = [1, 64] if args.quick else [1, 4, 16, 64]
+    trees = args.trees or ([1, 64] if args.quick else [1, 4, 16, 64])
     for dtype in (torch.float32, torch.bfloat16):
         for batch in batches:
             for s in (512, 4096):

@@ -118,6 +118,67 @@ def test_streaming_prefix_every_head_dim(isa, dtype, d, t):
     check(q, k, v, lens, ops.tree_info(random_parents(3, t, gen)).mask)
 
 
+# Prefix lengths around the grouped layout's 256-key splits and the streaming path's 16-key
+# blocks (read two keys per step, so odd block tails take the one-key loop): empty, a single
+# key, one short of / one past a block, a whole split, one past it, several splits, odd lengths.
+SPLIT_EDGE_PREFIXES = [0, 1, 2, 15, 17, 255, 256, 257, 513, 1001]
+
+
+# The streaming prefix path exists on the AVX-512 paths only; the others run the tiles, which
+# the other tests cover under every ISA.
+STREAM_ISAS = [isa for isa in ("avx512bf16", "avx512") if isa in ISAS] or [""]
+
+
+@pytest.mark.parametrize("isa_name", STREAM_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [80, 128, 256])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (6, 1), (3, 3)])
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_decode_split_edges(isa_name, t, hq, hkv, d, dtype):
+    # T = 1..4 with GQA ratios 4, 6 and 1: up to 8 query rows per KV head take the streaming
+    # prefix path on AVX-512 (every KV head of a key before the next key), more take the tiles.
+    # Ragged prefixes in one batch give sequences with empty leading splits, and the caches are
+    # strided views into a larger buffer. GQA 4 at T = 2 and GQA 6 (more than 4 rows per KV head)
+    # read two keys per step, the other streaming cases one.
+    assert _C.set_attention_isa(isa_name)
+    q, k, v, lens, gen = make_case(
+        len(SPLIT_EDGE_PREFIXES),
+        t,
+        hq,
+        hkv,
+        d,
+        SPLIT_EDGE_PREFIXES,
+        dtype,
+        strided=True,
+        seed=t * 1000 + hq * 10 + d,
+    )
+    try:
+        check(q, k, v, lens, None)
+        if t > 1:
+            parents = random_parents(len(SPLIT_EDGE_PREFIXES), t, gen)
+            check(q, k, v, lens, ops.tree_info(parents).mask)
+    finally:
+        _C.set_attention_isa("")
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_results_do_not_depend_on_thread_count(t, dtype):
+    # The split of the prefix is a function of the shapes only, never of the thread count.
+    q, k, v, lens, _ = make_case(3, t, 32, 8, 128, [1001, 257, 0], dtype, seed=t)
+    before = specdecode.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 5):
+            specdecode.set_num_threads(n)
+            outs.append(ops.tree_attention(q, k, v, lens, return_lse=True))
+    finally:
+        specdecode.set_num_threads(before)
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0])
+        assert torch.equal(lse, outs[0][1])
+
+
 @pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (4, 4), (8, 2), (6, 1), (32, 8)])
 def test_gqa_ratios(isa, hq, hkv, d):
