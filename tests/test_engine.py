@@ -384,7 +384,7 @@ def test_rolled_back_entries_never_leak(target, references, monkeypatch):
         # Keeps nodes 0 .. accepted + 1 in node order: one node more than the accepted path.
         accepted = result.num_accepted.cpu().long()
         n = cache._tree_size
-        path = torch.arange(n, dtype=torch.int32).expand(len(state.tokens), n).contiguous()
+        path = torch.arange(n, dtype=torch.int32).expand(cache.batch_size, n).contiguous()
         keep = torch.clamp(accepted + 2, max=n).to(torch.int32)
         cache.compact(path, keep)
         return accepted
@@ -536,7 +536,8 @@ def test_adaptive_budget_measures_costs_on_the_live_cache(target, references):
     # The timing passes were rolled back: the output is the target's own.
     assert out.sequences == expected[:2]
     costs = engine_module._MEASURED_COSTS[target][2]
-    assert set(costs) == {1, 4, 8} and all(c > 0 for c in costs.values())
+    # (Other tests' batches shrink to 2 rows as their sequences finish and add their sizes.)
+    assert {1, 4, 8} <= set(costs) and all(c > 0 for c in costs.values())
 
 
 class _FakeCache:
