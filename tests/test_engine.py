@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from reference_engine import first_tokens_distribution, greedy_reference, tiny_transformer
@@ -655,6 +656,9 @@ def test_cost_aware_budget_calibrates_on_the_live_cache(target, references):
     assert sizes == sorted(sizes) and all(c > 0 for c in costs)
     assert costs == sorted(costs)  # made monotone against timing noise
     assert curve(24, 8) >= curve(3, 1) > 0
+    grid = [(1, 1), (2, 8), (3, 1), (7, 3), (24, 8), (40, 14)]  # inside, padded, beyond the last
+    many = curve.many(np.array([m for m, _ in grid]), np.array([t for _, t in grid]))
+    assert many.tolist() == pytest.approx([curve(m, t) for m, t in grid])
 
 
 def test_finished_rows_leave_the_batch(target, references):

@@ -427,6 +427,24 @@ class _CostCurve:
     pad: float
     ragged: bool
 
+    def many(self, m: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """:meth:`__call__` over arrays (same arithmetic, vectorised)."""
+        b = self.batch
+        m = np.asarray(m, dtype=np.float64)
+        t = np.asarray(t, dtype=np.float64)
+        if not self.ragged:
+            m = b * t
+        extra = self.pad * b * np.maximum(0.0, t - np.ceil(m / b))
+        xs = np.array([p[0] for p in self.points], dtype=np.float64)
+        ys = np.array([p[1] for p in self.points], dtype=np.float64)
+        if xs.size == 1:
+            return ys[0] * np.maximum(1.0, m / xs[0]) + extra
+        out = np.interp(m, xs, ys)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        beyond = m > xs[-1]
+        out[beyond] = ys[-1] + slope * (m[beyond] - xs[-1])
+        return out + extra
+
     def __call__(self, m: int, t: int) -> float:
         b = self.batch
         if not self.ragged:
@@ -613,6 +631,13 @@ class CostAwareBudget:
         assert self._curve is not None
         return self._scale * self._curve(m, t)
 
+    def _predict_many(self, batch: int, m: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """:meth:`_predict` over arrays of real-token counts and widths."""
+        if self.cost is not None:
+            return np.array([float(self.cost(batch, int(a), int(b))) for a, b in zip(m, t)])
+        assert self._curve is not None
+        return self._scale * self._curve.many(m, t)
+
     def allocate(
         self,
         target: Any,
@@ -666,18 +691,14 @@ class CostAwareBudget:
         flat = gains.reshape(-1)
         order = np.argsort(-flat, kind="stable")
         order = order[flat[order] >= 0]
-        node_index = order % n
-        widths = np.maximum.accumulate(node_index + 1) if order.size else np.zeros(0, np.int64)
-        overhead = self._overhead or 0.0
+        # Candidate cuts k = 0 .. K: the best k nodes are scored (k = 0: roots only).
+        widths = np.concatenate([[1], np.maximum.accumulate(order % n + 1)]).astype(np.int64)
+        totals = r + np.concatenate([[0.0], np.cumsum(flat[order])])
         base = r if ragged else batch
-        best_k, best_rate = 0, r / max(self._predict(batch, base, 1) + overhead, 1e-12)
-        total = float(r)
-        for k in range(order.size):
-            total += flat[order[k]]
-            m = base + k + 1 if ragged else batch * int(widths[k])
-            rate = total / max(self._predict(batch, m, int(widths[k])) + overhead, 1e-12)
-            if rate > best_rate:
-                best_k, best_rate = k + 1, rate
+        real = base + np.arange(order.size + 1) if ragged else batch * widths
+        costs = self._predict_many(batch, real, widths)
+        rates = totals / np.maximum(costs + (self._overhead or 0.0), 1e-12)
+        best_k = int(np.argmax(rates))  # first maximum: the fewest nodes among equals
         limits = np.ones(r, dtype=np.int64)
         if best_k:
             np.add.at(limits, order[:best_k] // n, 1)
