@@ -659,7 +659,8 @@ class CostAwareBudget:
         num_nodes : torch.Tensor
             int ``[R]``: nodes of each running row's draft (root included).
         depth : torch.Tensor
-            int ``[R, N]``: node depths of those drafts (-1 padding).
+            int ``[R, N]``: node depths of those drafts (-1: padding or a node that may not be
+            scored).
         ragged : bool
             Whether the target skips padding (then a pass costs its real tokens).
         limit : int, optional
@@ -669,8 +670,8 @@ class CostAwareBudget:
         Returns
         -------
         torch.Tensor
-            int32 ``[R]``: nodes to keep per running row (root included), ``1 <= .. <=
-            num_nodes``.
+            int32 ``[R]``: per running row, keep the nodes of index below this (the root
+            always), ``1 <= .. <= num_nodes``.
         """
         batch = int(cache.batch_size)
         r, n = depth.shape
@@ -686,7 +687,7 @@ class CostAwareBudget:
             self._curve = curve
         gains = self.expected_gains(rows, depth)
         valid = torch.arange(n).unsqueeze(0) < num_nodes.to(torch.int64).unsqueeze(1)
-        gains[~valid.numpy()] = -1.0
+        gains[~valid.numpy() | (depth.numpy() < 0)] = -1.0
         gains[:, 0] = -1.0
         flat = gains.reshape(-1)
         order = np.argsort(-flat, kind="stable")
@@ -699,9 +700,11 @@ class CostAwareBudget:
         costs = self._predict_many(batch, real, widths)
         rates = totals / np.maximum(costs + (self._overhead or 0.0), 1e-12)
         best_k = int(np.argmax(rates))  # first maximum: the fewest nodes among equals
+        # Per row: one past the last chosen node index (node order; the chosen nodes of a row
+        # are its first valid ones, since gains do not increase along a row).
         limits = np.ones(r, dtype=np.int64)
         if best_k:
-            np.add.at(limits, order[:best_k] // n, 1)
+            np.maximum.at(limits, order[:best_k] // n, order[:best_k] % n + 1)
         m = base + best_k if ragged else batch * int(limits.max())
         self._last_prediction = self._predict(batch, m, int(limits.max()))
         return torch.from_numpy(limits.astype(np.int32))
@@ -1070,29 +1073,20 @@ class SpeculativeDecoder:
         if isinstance(self.budget, AdaptiveBudget):
             cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
             budget = self.budget.choose(self.target, cache, len(active), cap)
-        tree = self._draft(state, cache, act, budget)
         idx = torch.tensor(act, dtype=torch.int64)
+        choose = None
         if per_row:
             cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
-            limits = self.budget.allocate(
-                self.target,
-                cache,
-                active,
-                tree.num_nodes[idx],
-                tree.depth[idx],
-                self._ragged,
-                cap,
-            )
-            node_limit = torch.ones(len(state.rows), dtype=torch.int32)
-            node_limit[idx] = limits
-            tree = _prune(
-                tree.tokens,
-                tree.parents,
-                tree.num_nodes,
-                tree.draft_probs,
-                torch.full_like(node_limit, 1 << 30),
-                node_limit,
-            )
+
+            def choose(num_nodes: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+                limits = torch.ones(num_nodes.shape[0], dtype=torch.int32)
+                limits[idx] = self.budget.allocate(
+                    self.target, cache, active, num_nodes[idx], depth[idx], self._ragged, cap
+                )
+                return limits
+
+        tree = self._draft(state, cache, act, budget, choose)
+        if per_row:
             budget = int(tree.num_nodes.max())
         t1 = time.perf_counter()
         tokens, positions = self._tree_input(cache, tree)
@@ -1157,10 +1151,19 @@ class SpeculativeDecoder:
         cache.keep_rows(torch.tensor(keep, dtype=torch.int64))
         state.rows = [state.rows[i] for i in keep]
 
-    def _draft(self, state: _Batch, cache: Any, act: list[int], budget: int) -> _Tree:
+    def _draft(
+        self,
+        state: _Batch,
+        cache: Any,
+        act: list[int],
+        budget: int,
+        per_row: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    ) -> _Tree:
         """The drafter's trees for the running rows (cache positions ``act``), root-only trees
         for the finished ones still in the cache, pruned to what this step may use (at most
-        ``budget`` nodes). Rows of the result are the cache's rows."""
+        ``budget`` nodes, and with ``per_row`` at most ``per_row(num_nodes, depth)[b]`` nodes in
+        row ``b``, given the nodes and depths of the trees within the other limits). Rows of the
+        result are the cache's rows."""
         batch = len(state.rows)
         active = [state.rows[i] for i in act]
         proposal = self.drafter.propose(active)
@@ -1201,7 +1204,19 @@ class SpeculativeDecoder:
             depth_limit[i] = state.max_new - state.generated(b) - 1
         room = cache.max_length - int(cache.lengths.max())
         limit = min(budget, room)
-        return _prune(tokens, parents, num_nodes, full_probs, depth_limit, limit)
+        info = ops.tree_info(parents)
+        node_limit: Union[int, torch.Tensor] = limit
+        if per_row is not None:
+            index = torch.arange(width).unsqueeze(0)
+            fits = (
+                (index < num_nodes.unsqueeze(1))
+                & (info.depth >= 0)
+                & (info.depth <= depth_limit.unsqueeze(1))
+                & (index < max(limit, 1))
+            )
+            depth = torch.where(fits, info.depth, -1)
+            node_limit = per_row(fits.sum(dim=1).to(torch.int32), depth).clamp(max=max(limit, 1))
+        return _prune(tokens, parents, num_nodes, full_probs, depth_limit, node_limit, info)
 
     def _tree_input(self, cache: Any, tree: _Tree) -> tuple[torch.Tensor, torch.Tensor]:
         """Target input over the trees: padding nodes become token 0 at the root's position
@@ -1310,6 +1325,7 @@ def _prune(
     probs: Optional[torch.Tensor],
     depth_limit: torch.Tensor,
     node_limit: Union[int, torch.Tensor],
+    info: Optional[ops.TreeInfo] = None,
 ) -> _Tree:
     """Keeps the nodes of each tree within its depth limit and the first ``node_limit`` nodes
     (an int for every row, or int ``[B]`` per row; at least the root is kept).
@@ -1317,7 +1333,8 @@ def _prune(
     Both conditions keep a set closed under ancestors (a parent is shallower than and precedes
     its children), so the kept nodes, renumbered in their original order, form a valid tree.
     """
-    info = ops.tree_info(parents)
+    if info is None:
+        info = ops.tree_info(parents)
     n = tokens.shape[1]
     index = torch.arange(n).unsqueeze(0)
     if isinstance(node_limit, torch.Tensor):
