@@ -65,8 +65,9 @@ class GenerationStats:
         whose draft reached depth ``d``, resp. in which the draft token at depth ``d`` was
         accepted.
     node_budgets : list of int
-        Node budget (root included) used at each step: the engine's ``max_nodes`` or, with an
-        :class:`AdaptiveBudget`, its choice.
+        Node budget (root included) used at each step: the engine's ``max_nodes``, with an
+        :class:`AdaptiveBudget` its choice, with a :class:`CostAwareBudget` the largest tree
+        scored.
     draft_time, verify_time, bookkeeping_time, prefill_time, wall_time : float
         Seconds: drafting (propose + tree pruning), the target forward over the trees plus
         :func:`~specdecode.ops.verify`, everything else in the loop (cache compaction, commit,
