@@ -469,3 +469,103 @@ def test_compact_of_a_prefix_path_equals_the_general_move():
     # Row 0 of the moved cache kept the same prefix path: same result there.
     other = model.forward(nxt, moved.lengths.long().unsqueeze(1), moved)
     torch.testing.assert_close(other[0], got[0], **TOL)
+
+
+# ---- ragged batches: num_nodes skips the padding -------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("attention", ["auto", "torch"])
+def test_num_nodes_skips_padding_and_matches_transformers(family, attention):
+    """Rows with fewer real nodes than the padded width: the real nodes' logits equal
+    transformers', padding gives zeros and leaves its cache slots untouched, and the kept paths
+    are the same as after a dense pass."""
+    model, full = make_models(family, attention)
+    prompts = [_tokens(6, seed=70), _tokens(3, seed=71), _tokens(5, seed=72)]
+    cache = model.new_cache(3, 64)
+    dense = model.new_cache(3, 64)
+    # Ragged prefill through num_nodes: each row's padding (the tail of the chain) is skipped.
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    real = torch.tensor([len(p) for p in prompts])
+    logits = model.forward(ids, torch.arange(width).expand(3, width), cache, num_nodes=real)
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(logits[b, : len(p)], full(torch.tensor([p]))[0], **TOL)
+        assert bool((logits[b, len(p) :] == 0).all())
+    cache.truncate(real.tolist())
+    prefill(model, dense, prompts)
+    trees = [[-1, 0, 0, 1, 2, 4], [-1, 0, 1, -1, -1, -1], [-1, -1, -1, -1, -1, -1]]
+    nodes = torch.tensor([6, 3, 0])  # the last row scores nothing (a finished sequence)
+    parents = torch.tensor(trees, dtype=torch.int32)
+    parents[2, 0] = -1
+    info = ops.tree_info(parents)
+    toks = torch.tensor([[p[-1]] + _tokens(5, seed=80 + b) for b, p in enumerate(prompts)])
+    positions = cache.lengths.long().unsqueeze(1) + info.depth.long().clamp_min(0)
+    before = cache.k.clone()
+    out = model.forward(toks, positions, cache, tree_mask=info.mask, num_nodes=nodes)
+    ref = model.forward(toks, positions, dense, tree_mask=info.mask)
+    for b in range(3):
+        k = int(nodes[b])
+        for node in range(k):
+            path = [int(toks[b, j]) for j in _path(trees[b], node)]
+            expected = full(torch.tensor([prompts[b] + path]))[0, -1]
+            torch.testing.assert_close(out[b, node], expected, **TOL)
+        torch.testing.assert_close(out[b, :k], ref[b, :k], rtol=0, atol=1e-5)
+        assert bool((out[b, k:] == 0).all())
+        # Padding slots were not written.
+        pad = slice(len(prompts[b]) + k, len(prompts[b]) + 6)
+        assert torch.equal(cache.k[:, b, pad], before[:, b, pad])
+    paths = torch.tensor([[0, 2, 4], [0, 1, 2], [0, -1, -1]], dtype=torch.int32)
+    counts = torch.tensor([3, 3, 0], dtype=torch.int32)
+    cache.compact(paths, counts)
+    dense.compact(paths, counts)
+    assert cache.lengths.tolist() == dense.lengths.tolist()
+    for b in range(3):
+        n = int(cache.lengths[b])
+        torch.testing.assert_close(cache.k[:, b, :n], dense.k[:, b, :n], rtol=0, atol=1e-5)
+        torch.testing.assert_close(cache.v[:, b, :n], dense.v[:, b, :n], rtol=0, atol=1e-5)
+
+
+def test_num_nodes_bad_values_raise_before_work():
+    model, _ = make_models("llama")
+    cache = model.new_cache(2, 16)
+    ids = torch.zeros((2, 3), dtype=torch.int64)
+    pos = torch.arange(3).expand(2, 3)
+    for bad, err in (
+        ([3, 3], TypeError),
+        (torch.tensor([1.0, 2.0]), TypeError),
+        (torch.tensor([1, 2, 3]), ValueError),
+        (torch.tensor([4, 1]), ValueError),
+        (torch.tensor([-1, 1]), ValueError),
+    ):
+        with pytest.raises(err, match="num_nodes"):
+            model.forward(ids, pos, cache, num_nodes=bad)
+        assert cache.lengths.tolist() == [0, 0]
+
+
+def test_keep_rows_drops_and_reorders_rows():
+    model, _ = make_models("llama")
+    cache = model.new_cache(3, 16)
+    prompts = [_tokens(4, seed=90), _tokens(2, seed=91), _tokens(5, seed=92)]
+    prefill(model, cache, prompts)
+    k, v, lengths = cache.k.clone(), cache.v.clone(), cache.lengths.tolist()
+    cache.keep_rows(torch.tensor([2, 0]))
+    assert cache.batch_size == 2 and cache.lengths.tolist() == [lengths[2], lengths[0]]
+    assert torch.equal(cache.k, k[:, [2, 0]]) and torch.equal(cache.v, v[:, [2, 0]])
+    # The kept rows decode as before.
+    nxt = torch.tensor([[7], [9]])
+    pos = cache.lengths.long().unsqueeze(1)
+    out = model.forward(nxt, pos, cache)
+    again = model.new_cache(2, 16)
+    prefill(model, again, [prompts[2], prompts[0]])
+    torch.testing.assert_close(out, model.forward(nxt, pos, again), **TOL)
+    for bad, err in (
+        ([0], TypeError),
+        (torch.tensor([0], dtype=torch.int32), TypeError),
+        (torch.tensor([], dtype=torch.int64), ValueError),
+        (torch.tensor([2]), ValueError),
+        (torch.tensor([1, 1]), ValueError),
+    ):
+        with pytest.raises(err, match="rows"):
+            cache.keep_rows(bad)
+    assert cache.batch_size == 2

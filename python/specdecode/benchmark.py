@@ -58,8 +58,8 @@ __all__ = [
 DATASETS = ("humaneval", "prose")
 SPECDECODE_METHODS = ("autoregressive", "cacheback", "model chain", "model tree")
 HF_METHODS = ("autoregressive", "prompt lookup", "assisted (draft)")
-# Node budgets (root included) the Cacheback rows' AdaptiveBudget chooses from: chain lengths
-# 0, 1, 2, 4, 6, 8, 12 and 16 drafts.
+# Node budgets (root included) an AdaptiveBudget would choose from for Cacheback: chain lengths
+# 0, 1, 2, 4, 6, 8, 12 and 16 drafts (the rows now use a per-row CostAwareBudget instead).
 CACHEBACK_BUDGETS = (1, 2, 3, 5, 7, 9, 13, 17)
 
 
@@ -334,9 +334,10 @@ def _make_drafter(method: str, models: _Models, batch: int) -> Any:
     if method == "autoregressive":
         return NoDrafter()
     if method == "cacheback":
-        # A chain (each leader's most recent follower, up to 16 deep) under an adaptive node
-        # budget: on the bundled pair a chain accepts more tokens per scored node than a tree
-        # (bench/RESULTS.md, ## e2e), and the budget sizes it to the measured cost of a pass.
+        # A chain (each leader's most recent follower, up to 16 deep) under a per-row,
+        # cost-aware node budget: on the bundled pair a chain accepts more tokens per scored node
+        # than a tree (bench/RESULTS.md, ## e2e), and the budget cuts each row's chain where the
+        # expected tokens stop paying for the measured cost of the pass.
         return CachebackDrafter(max_sequences=batch, chain=True, max_nodes=17, max_depth=16)
     if method == "model chain":
         return ModelDrafter(models.ours_draft, mode="chain", k=4)
@@ -355,14 +356,14 @@ def _run_ours(
     seed: int,
 ) -> tuple[float, list[list[int]], int, int, int, int]:
     """One timed pass: (seconds, outputs, new tokens, target passes, accepted, offered)."""
-    from .engine import AdaptiveBudget, SpeculativeDecoder
+    from .engine import CostAwareBudget, SpeculativeDecoder
 
     outputs: list[list[int]] = []
     steps = accepted = offered = new_tokens = 0
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
-        budget = AdaptiveBudget(CACHEBACK_BUDGETS) if method == "cacheback" else None
+        budget = CostAwareBudget() if method == "cacheback" else None
         decoder = SpeculativeDecoder(
             models.ours_target, _make_drafter(method, models, len(chunk)), budget=budget
         )

@@ -21,6 +21,8 @@ is the root of the next tree and is scored by the next forward pass.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
 import time
 import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
@@ -33,6 +35,7 @@ from .drafters import Drafter, NoDrafter
 
 __all__ = [
     "AdaptiveBudget",
+    "CostAwareBudget",
     "GenerationOutput",
     "GenerationStats",
     "SpeculativeDecoder",
@@ -62,8 +65,9 @@ class GenerationStats:
         whose draft reached depth ``d``, resp. in which the draft token at depth ``d`` was
         accepted.
     node_budgets : list of int
-        Node budget (root included) used at each step: the engine's ``max_nodes`` or, with an
-        :class:`AdaptiveBudget`, its choice.
+        Node budget (root included) used at each step: the engine's ``max_nodes``, with an
+        :class:`AdaptiveBudget` its choice, with a :class:`CostAwareBudget` the largest tree
+        scored.
     draft_time, verify_time, bookkeeping_time, prefill_time, wall_time : float
         Seconds: drafting (propose + tree pruning), the target forward over the trees plus
         :func:`~specdecode.ops.verify`, everything else in the loop (cache compaction, commit,
@@ -190,6 +194,9 @@ class _Batch:
     top_k: torch.Tensor
     top_p: torch.Tensor
     seed: torch.Tensor
+    # Batch row held by each row of the target cache, in cache order. All rows at first; the
+    # rows of finished sequences are dropped from the cache when it can drop rows (keep_rows).
+    rows: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def active(self) -> list[int]:
@@ -392,6 +399,371 @@ class AdaptiveBudget:
         self._overhead = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
 
+def _accepts_num_nodes(target: Any) -> bool:
+    """Whether ``target.forward`` takes ``num_nodes=`` (skips the padding of ragged trees, as
+    :meth:`specdecode.models.Transformer.forward` does)."""
+    try:
+        params = inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "num_nodes" in params
+
+
+# Calibrated forward-cost curves of CostAwareBudget, per target and batch size (as for
+# AdaptiveBudget: a target's cost curve does not change between generate() calls).
+_COST_CURVES: weakref.WeakKeyDictionary[Any, dict[int, _CostCurve]] = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class _CostCurve:
+    """Forward seconds of one target pass at a fixed cache batch size ``B``, as a function of
+    ``M`` real tokens over all rows and the padded width ``T``:
+    ``f(M) + pad * B * max(0, T - ceil(M / B))``, ``f`` piecewise linear through the measured
+    points (extrapolated linearly past the last), ``pad`` the cost of one padding query row of
+    the attention call (zero when the target computes padding like real tokens: then ``M`` is
+    ``B * T``)."""
+
+    batch: int
+    points: list[tuple[int, float]]  # (M, seconds), M increasing
+    pad: float
+    ragged: bool
+
+    def many(self, m: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """:meth:`__call__` over arrays (same arithmetic, vectorised)."""
+        b = self.batch
+        m = np.asarray(m, dtype=np.float64)
+        t = np.asarray(t, dtype=np.float64)
+        if not self.ragged:
+            m = b * t
+        extra = self.pad * b * np.maximum(0.0, t - np.ceil(m / b))
+        xs = np.array([p[0] for p in self.points], dtype=np.float64)
+        ys = np.array([p[1] for p in self.points], dtype=np.float64)
+        if xs.size == 1:
+            return ys[0] * np.maximum(1.0, m / xs[0]) + extra
+        out = np.interp(m, xs, ys)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        beyond = m > xs[-1]
+        out[beyond] = ys[-1] + slope * (m[beyond] - xs[-1])
+        return out + extra
+
+    def __call__(self, m: int, t: int) -> float:
+        b = self.batch
+        if not self.ragged:
+            m = b * t
+        extra = self.pad * b * max(0, t - -(-m // b))
+        pts = self.points
+        if len(pts) == 1:  # one size measured: cost proportional beyond it
+            return pts[0][1] * max(1.0, m / pts[0][0]) + extra
+        if m <= pts[0][0]:
+            return pts[0][1] + extra
+        for (m0, c0), (m1, c1) in zip(pts, pts[1:]):
+            if m <= m1:
+                return c0 + (c1 - c0) * (m - m0) / (m1 - m0) + extra
+        (m0, c0), (m1, c1) = pts[-2], pts[-1]
+        return c1 + (c1 - c0) * (m - m1) / (m1 - m0) + extra
+
+
+def _time_pass(
+    target: Any, cache: Any, nodes: torch.Tensor, width: int, ragged: bool, lengths: torch.Tensor
+) -> float:
+    """Fastest of 2 forward passes of chains of ``nodes[b]`` real tokens per row padded to
+    ``width`` on the live cache, each rolled back."""
+    batch = int(cache.batch_size)
+    parents = ops.chain_parents(batch, width - 1).to(torch.int32)
+    idx = torch.arange(width).unsqueeze(0)
+    parents = torch.where(idx < nodes.clamp(min=1).unsqueeze(1), parents, -1).to(torch.int32)
+    device = target.device
+    mask = ops.tree_info(parents).mask.to(device)
+    tokens = torch.zeros((batch, width), dtype=torch.int64, device=device)
+    positions = (lengths.unsqueeze(1) + torch.arange(width)).to(device)
+    extra = {"num_nodes": nodes} if ragged else {}
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        target.forward(tokens, positions, cache, tree_mask=mask, **extra)
+        best = min(best, time.perf_counter() - t0)
+        cache.truncate(lengths)
+    return best
+
+
+def _calibrate(target: Any, cache: Any, max_nodes: int, ragged: bool) -> _CostCurve:
+    """Measures a :class:`_CostCurve` on the live cache (every pass rolled back)."""
+    batch = int(cache.batch_size)
+    lengths = cache.lengths.to("cpu", torch.int64).clone()
+    room = int(cache.max_length) - int(lengths.max())
+    top = max(1, min(max_nodes, room))
+    points: list[tuple[int, float]] = []
+    sizes = sorted({m for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if m < batch * top})
+    sizes.append(batch * top)
+    for m in sizes if ragged else sorted({batch * n for n in (1, 2, 4, 8, 16, top) if n <= top}):
+        width = -(-m // batch)
+        # Balanced rows: m real tokens spread as evenly as the width allows.
+        nodes = torch.full((batch,), m // batch, dtype=torch.int64)
+        nodes[: m % batch] += 1
+        points.append((m, _time_pass(target, cache, nodes, width, ragged, lengths)))
+    # A pass never costs less for more tokens: timing noise (a shared machine) must not make
+    # the curve dip, or the choice would chase the dips.
+    for j in range(1, len(points)):
+        points[j] = (points[j][0], max(points[j][1], points[j - 1][1]))
+    pad = 0.0
+    if ragged and top > 1:
+        # One real token per row at width `top` against width 1: the padded attention rows.
+        ones = torch.ones(batch, dtype=torch.int64)
+        narrow = _time_pass(target, cache, ones, 1, ragged, lengths)
+        wide = _time_pass(target, cache, ones, top, ragged, lengths)
+        pad = max(0.0, (wide - narrow) / (batch * (top - 1)))
+    return _CostCurve(batch, points, pad, ragged)
+
+
+class CostAwareBudget:
+    """Per-sequence draft sizes that maximise expected tokens per second of a step, from a
+    measured cost curve of the target's forward pass and per-depth acceptance.
+
+    Where :class:`AdaptiveBudget` picks one size for every row, this policy gives each running
+    sequence its own number of nodes, after the drafts are known: node ``i`` of row ``b`` (at
+    depth ``d``) is expected to add ``g = r_b * c(2) * ... * c(d)`` tokens, where ``r_b`` is the
+    row's measured rate of accepting its first draft token and ``c(j)`` the measured rate of
+    accepting depth ``j`` once depth ``j - 1`` was accepted (all rows together). The nodes of all
+    rows, best first (each row's nodes in order, so kept sets stay trees), are cut where
+    ``(rows + sum g) / (cost(rows + nodes, width) + overhead)`` peaks. ``cost`` is the target's
+    forward time as a function of the real tokens of the pass and its padded width, calibrated
+    once per target and batch size on the live cache (rolled-back passes) and scaled online by
+    the ratio of measured to predicted forward times, so a busier machine moves the curve; with
+    a target that skips padding (``num_nodes``, as :class:`~specdecode.models.Transformer`)
+    rows with poor drafts and finished rows cost nothing, so good rows keep long drafts. The
+    gains are exact for chains (Cacheback ``chain=True``, a model chain) and a depth-only
+    approximation for trees.
+
+    Exploration needs no schedule: the counts behind ``r_b`` and ``c(j)`` decay every step
+    towards optimistic priors, so depths that were cut for a while look promising again and get
+    scored. The choice only changes which drafts are scored, never what is accepted.
+
+    Parameters
+    ----------
+    decay : float
+        Per-step weight of the past in the acceptance counts, in ``[0, 1)``.
+    prior : float
+        Prior acceptance rate of every depth, in ``(0, 1]`` (optimism drives exploration).
+    prior_weight : float
+        Pseudo-count of the prior (> 0); a row's first-token rate starts from the global one
+        with this weight.
+    cost : callable ``(batch, real_tokens, width) -> float``, optional
+        Forward seconds of a pass with ``real_tokens`` real tokens in a ``batch x width``
+        layout. None: calibrated (see above).
+    """
+
+    def __init__(
+        self,
+        *,
+        decay: float = 0.95,
+        prior: float = 0.7,
+        prior_weight: float = 1.0,
+        cost: Optional[Callable[[int, int, int], float]] = None,
+    ) -> None:
+        for name, value, ok in (
+            ("decay", decay, lambda v: 0 <= v < 1),
+            ("prior", prior, lambda v: 0 < v <= 1),
+            ("prior_weight", prior_weight, lambda v: v > 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name}: expected a number, got {value!r}")
+            if not math.isfinite(value) or not ok(value):
+                raise ValueError(f"{name}: out of range, got {value!r}")
+        if cost is not None and not callable(cost):
+            raise TypeError(
+                f"cost: expected a callable (batch, real_tokens, width) -> float, got {cost!r}"
+            )
+        self.decay = float(decay)
+        self.prior = float(prior)
+        self.prior_weight = float(prior_weight)
+        self.cost = cost
+        self._depth_acc = np.zeros(2, dtype=np.float64)  # index j: depth j (j >= 1)
+        self._depth_off = np.zeros(2, dtype=np.float64)
+        self._row_acc: dict[int, float] = {}
+        self._row_off: dict[int, float] = {}
+        self._scale = 1.0  # measured / predicted forward time (moving average)
+        self._overhead: Optional[float] = None
+        self._curve: Optional[_CostCurve] = None
+        self._last_prediction: Optional[float] = None
+
+    # ---- estimates ---------------------------------------------------------------------------
+
+    def _rates(self, depth: int) -> np.ndarray:
+        """Acceptance rate of depths ``0..depth`` (entry 0 unused) with the prior mixed in."""
+        self._grow(depth)
+        w = self.prior_weight
+        acc, off = self._depth_acc[: depth + 1], self._depth_off[: depth + 1]
+        return (acc + w * self.prior) / (off + w)
+
+    def _grow(self, depth: int) -> None:
+        if depth + 1 > self._depth_acc.size:
+            extra = depth + 1 - self._depth_acc.size
+            self._depth_acc = np.concatenate([self._depth_acc, np.zeros(extra)])
+            self._depth_off = np.concatenate([self._depth_off, np.zeros(extra)])
+
+    def row_rate(self, row: int) -> float:
+        """Estimated rate at which ``row`` accepts its first draft token."""
+        w = self.prior_weight
+        first = float(self._rates(1)[1])
+        acc, off = self._row_acc.get(row, 0.0), self._row_off.get(row, 0.0)
+        return (acc + w * first) / (off + w)
+
+    def expected_gains(self, rows: Sequence[int], depth: torch.Tensor) -> np.ndarray:
+        """float64 ``[R, N]``: expected tokens each node adds (0 for the root and padding),
+        made non-increasing along each row so that best-first order keeps row prefixes."""
+        d = depth.to(torch.int64).numpy()
+        deepest = int(d.max()) if d.size else 0
+        rates = self._rates(max(deepest, 1))
+        # along[j] = c(2) * ... * c(j) for j >= 1 (1 at depth 1), 0 at depth 0 and padding.
+        along = np.zeros(deepest + 2)
+        if deepest >= 1:
+            along[1 : deepest + 1] = np.cumprod(np.concatenate([[1.0], rates[2 : deepest + 1]]))
+        first = np.array([self.row_rate(b) for b in rows], dtype=np.float64)
+        gains = first[:, None] * along[np.clip(d, 0, None)]
+        gains[d <= 0] = 0.0
+        gains[:, 1:] = np.minimum.accumulate(gains[:, 1:], axis=1) if gains.shape[1] > 1 else 0
+        return gains
+
+    # ---- the choice ----------------------------------------------------------------------------
+
+    def _predict(self, batch: int, m: int, t: int) -> float:
+        if self.cost is not None:
+            return float(self.cost(batch, m, t))
+        assert self._curve is not None
+        return self._scale * self._curve(m, t)
+
+    def _predict_many(self, batch: int, m: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """:meth:`_predict` over arrays of real-token counts and widths."""
+        if self.cost is not None:
+            return np.array([float(self.cost(batch, int(a), int(b))) for a, b in zip(m, t)])
+        assert self._curve is not None
+        return self._scale * self._curve.many(m, t)
+
+    def allocate(
+        self,
+        target: Any,
+        cache: Any,
+        rows: Sequence[int],
+        num_nodes: torch.Tensor,
+        depth: torch.Tensor,
+        ragged: bool,
+        limit: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Node limits of the running rows.
+
+        Parameters
+        ----------
+        target, cache : CausalLM and its cache
+            For the calibration of the cost curve (rolled-back passes on the live cache).
+        rows : sequence of int
+            The running rows (batch indices).
+        num_nodes : torch.Tensor
+            int ``[R]``: nodes of each running row's draft (root included).
+        depth : torch.Tensor
+            int ``[R, N]``: node depths of those drafts (-1: padding or a node that may not be
+            scored).
+        ragged : bool
+            Whether the target skips padding (then a pass costs its real tokens).
+        limit : int, optional
+            The most nodes per row any step may score (the calibration covers it); default the
+            width of ``depth``.
+
+        Returns
+        -------
+        torch.Tensor
+            int32 ``[R]``: per running row, keep the nodes of index below this (the root
+            always), ``1 <= .. <= num_nodes``.
+        """
+        batch = int(cache.batch_size)
+        r, n = depth.shape
+        if self.cost is None and (self._curve is None or self._curve.batch != batch):
+            try:
+                per_target = _COST_CURVES.setdefault(target, {})
+            except TypeError:
+                per_target = {}
+            curve = per_target.get(batch)
+            top = max(n, limit or 1, 1)
+            if curve is None or curve.points[-1][0] < batch * n:
+                curve = per_target[batch] = _calibrate(target, cache, top, ragged)
+            self._curve = curve
+        gains = self.expected_gains(rows, depth)
+        valid = torch.arange(n).unsqueeze(0) < num_nodes.to(torch.int64).unsqueeze(1)
+        gains[~valid.numpy() | (depth.numpy() < 0)] = -1.0
+        gains[:, 0] = -1.0
+        flat = gains.reshape(-1)
+        order = np.argsort(-flat, kind="stable")
+        order = order[flat[order] >= 0]
+        # Candidate cuts k = 0 .. K: the best k nodes are scored (k = 0: roots only).
+        widths = np.concatenate([[1], np.maximum.accumulate(order % n + 1)]).astype(np.int64)
+        totals = r + np.concatenate([[0.0], np.cumsum(flat[order])])
+        base = r if ragged else batch
+        real = base + np.arange(order.size + 1) if ragged else batch * widths
+        costs = self._predict_many(batch, real, widths)
+        rates = totals / np.maximum(costs + (self._overhead or 0.0), 1e-12)
+        best_k = int(np.argmax(rates))  # first maximum: the fewest nodes among equals
+        # Per row: one past the last chosen node index (node order; the chosen nodes of a row
+        # are its first valid ones, since gains do not increase along a row).
+        limits = np.ones(r, dtype=np.int64)
+        if best_k:
+            np.maximum.at(limits, order[:best_k] // n, order[:best_k] % n + 1)
+        m = base + best_k if ragged else batch * int(limits.max())
+        self._last_prediction = self._predict(batch, m, int(limits.max()))
+        return torch.from_numpy(limits.astype(np.int32))
+
+    def observe(
+        self,
+        rows: Sequence[int],
+        depth: Sequence[int],
+        accepted: Sequence[int],
+        forward_seconds: Optional[float] = None,
+    ) -> None:
+        """Updates the acceptance counts from a verified step.
+
+        Parameters
+        ----------
+        rows : sequence of int
+            The running rows.
+        depth : sequence of int
+            Depth of each running row's scored draft (0: the root alone).
+        accepted : sequence of int
+            Accepted draft tokens of each running row.
+        forward_seconds : float, optional
+            The step's forward time: refines the scale of the calibrated cost curve.
+        """
+        g = self.decay
+        self._depth_acc *= g
+        self._depth_off *= g
+        for b in list(self._row_acc):
+            self._row_acc[b] *= g
+            self._row_off[b] *= g
+        for b, dep, acc in zip(rows, depth, accepted):
+            dep, acc = int(dep), int(acc)
+            if dep < 1:
+                continue
+            self._grow(dep)
+            self._row_off[b] = self._row_off.get(b, 0.0) + 1.0
+            self._row_acc[b] = self._row_acc.get(b, 0.0) + float(acc >= 1)
+            # Depth j is observed when it was offered and depth j - 1 was accepted.
+            top = min(dep, acc + 1)
+            self._depth_off[1 : top + 1] += 1.0
+            self._depth_acc[1 : min(acc, dep) + 1] += 1.0
+        predicted = self._last_prediction
+        if forward_seconds is not None and predicted and self.cost is None:
+            ratio = min(max(forward_seconds / predicted, 0.25), 4.0)
+            self._scale = 0.9 * self._scale + 0.1 * ratio
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Updates the moving average of a step's time outside the target's forward pass."""
+        old = self._overhead
+        self._overhead = seconds if old is None else 0.9 * old + 0.1 * seconds
+
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        """Forgets the per-row rates of ``rows`` (new sequences in those slots)."""
+        for b in rows:
+            self._row_acc.pop(int(b), None)
+            self._row_off.pop(int(b), None)
+
+
 def _time_forwards(target: Any, cache: Any, sizes: Sequence[int]) -> dict[int, float]:
     """Seconds of one target forward over a chain of ``n`` nodes per row for each ``n``, on the
     live cache (rolled back after each pass); the fastest of 3 passes."""
@@ -438,9 +810,10 @@ class SpeculativeDecoder:
         (the target cache reserves this many slots beyond the longest sequence).
     progress : bool
         Show a progress bar of generated tokens (tqdm if installed, else a line on stderr).
-    budget : AdaptiveBudget, optional
-        Chooses the node budget of every step (at most ``max_nodes``); None: every step may use
-        ``max_nodes`` nodes.
+    budget : AdaptiveBudget or CostAwareBudget, optional
+        Chooses the node budget of every step (at most ``max_nodes``): one for all rows
+        (:class:`AdaptiveBudget`) or one per row (:class:`CostAwareBudget`); None: every step
+        may use ``max_nodes`` nodes.
     **verify_options
         ``eps``, ``alpha``, ``topk_accept``, ``correction`` for the lossy methods.
     """
@@ -453,7 +826,7 @@ class SpeculativeDecoder:
         method: str = "exact",
         max_nodes: int = 64,
         progress: bool = False,
-        budget: Optional[AdaptiveBudget] = None,
+        budget: Union[AdaptiveBudget, CostAwareBudget, None] = None,
         **verify_options: Any,
     ) -> None:
         for attr in ("forward", "new_cache", "vocab_size", "max_length", "device"):
@@ -481,8 +854,10 @@ class SpeculativeDecoder:
                 f"drafter: its vocabulary has {drafter_vocab} tokens, the target's "
                 f"{target.vocab_size}; drafter and target must share one vocabulary"
             )
-        if budget is not None and not isinstance(budget, AdaptiveBudget):
-            raise TypeError(f"budget: expected an AdaptiveBudget or None, got {budget!r}")
+        if budget is not None and not isinstance(budget, (AdaptiveBudget, CostAwareBudget)):
+            raise TypeError(
+                f"budget: expected an AdaptiveBudget, a CostAwareBudget or None, got {budget!r}"
+            )
         self.target = target
         self.drafter = drafter
         self.budget = budget
@@ -490,6 +865,9 @@ class SpeculativeDecoder:
         self.max_nodes = max_nodes
         self.progress = bool(progress)
         self.verify_options = verify_options
+        # A target that skips padding tokens (num_nodes=) does no work for the unused nodes of
+        # short drafts and of finished rows.
+        self._ragged = _accepts_num_nodes(target)
 
     # ---- request validation ------------------------------------------------------------------
 
@@ -627,9 +1005,12 @@ class SpeculativeDecoder:
             top_k=torch.tensor(top_ks, dtype=torch.int32),
             top_p=torch.tensor(top_ps, dtype=torch.float32),
             seed=torch.tensor(seeds, dtype=torch.int64),
+            rows=list(range(batch)),
         )
         stats = GenerationStats()
         slots = list(range(batch))
+        if isinstance(self.budget, CostAwareBudget):
+            self.budget.reset_rows(slots)
         self.drafter.start(slots, rows)
         try:
             configure = getattr(self.drafter, "configure", None)
@@ -667,7 +1048,11 @@ class SpeculativeDecoder:
         for b, row in enumerate(state.tokens):
             ids[b, : len(row) - 1] = torch.tensor(row[:-1], dtype=torch.int64)
         positions = torch.arange(width, dtype=torch.int64).expand(batch, width)
-        self.target.forward(ids.to(device), positions.to(device), cache)
+        extra = {}
+        if self._ragged:
+            # Shorter prompts' padding is not computed (a causal chain's padding comes last).
+            extra["num_nodes"] = torch.tensor([n - 1 for n in state.prompt_lens])
+        self.target.forward(ids.to(device), positions.to(device), cache, **extra)
         cache.truncate([n - 1 for n in state.prompt_lens])
         return cache
 
@@ -680,25 +1065,48 @@ class SpeculativeDecoder:
         bar: Any,
         on_step: Optional[Callable[[int, list[int]], Any]] = None,
     ) -> None:
-        active = state.active
+        # Positions in the cache of the running rows (`act`) and their batch rows (`active`).
+        act = [i for i, b in enumerate(state.rows) if not state.done[b]]
+        active = [state.rows[i] for i in act]
         t0 = time.perf_counter()
         budget = self.max_nodes
-        if self.budget is not None:
+        per_row = isinstance(self.budget, CostAwareBudget)
+        if isinstance(self.budget, AdaptiveBudget):
             cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
             budget = self.budget.choose(self.target, cache, len(active), cap)
-        tree = self._draft(state, cache, active, budget)
+        idx = torch.tensor(act, dtype=torch.int64)
+        choose = None
+        if per_row:
+            cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
+
+            def choose(num_nodes: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+                limits = torch.ones(num_nodes.shape[0], dtype=torch.int32)
+                limits[idx] = self.budget.allocate(
+                    self.target, cache, active, num_nodes[idx], depth[idx], self._ragged, cap
+                )
+                return limits
+
+        tree = self._draft(state, cache, act, budget, choose)
+        if per_row:
+            budget = int(tree.num_nodes.max())
         t1 = time.perf_counter()
         tokens, positions = self._tree_input(cache, tree)
+        extra = {}
+        if self._ragged:
+            # Finished rows still in the cache score nothing (their root is dropped again).
+            real = torch.zeros_like(tree.num_nodes)
+            real[idx] = tree.num_nodes[idx]
+            extra["num_nodes"] = real
         tf = time.perf_counter()
-        logits = self.target.forward(tokens, positions, cache, tree_mask=tree.mask)
+        logits = self.target.forward(tokens, positions, cache, tree_mask=tree.mask, **extra)
         forward_time = time.perf_counter() - tf
         result = self._verify(state, tree, logits)
         t2 = time.perf_counter()
-        counts = self._accept(state, cache, result, active)
-        committed = self._commit(state, result, active, counts, stops)
+        counts = self._accept(state, cache, result, act)
+        committed = self._commit(state, result, act, counts, stops)
         self._update_drafter(state, active, committed)
-        idx = torch.tensor(active, dtype=torch.int64)
-        if self.budget is not None:
+        depths = tree.depth[idx].max(dim=1).values
+        if isinstance(self.budget, AdaptiveBudget):
             self.budget.observe(
                 result.path.cpu(),
                 counts,
@@ -708,6 +1116,9 @@ class SpeculativeDecoder:
                 int(cache.batch_size),
                 self.target,
             )
+        elif per_row:
+            self.budget.observe(active, depths.tolist(), counts[idx].tolist(), forward_time)
+        self._drop_finished(state, cache)
         t3 = time.perf_counter()
         if self.budget is not None:
             self.budget.observe_overhead(t3 - t0 - forward_time)
@@ -715,7 +1126,7 @@ class SpeculativeDecoder:
         stats.row_steps += len(active)
         stats.new_tokens += sum(len(c) for c in committed)
         stats.node_budgets.append(budget)
-        stats._record(tree.depth[idx].max(dim=1).values.numpy(), counts[idx].numpy())
+        stats._record(depths.numpy(), counts[idx].numpy())
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
         stats.bookkeeping_time += t3 - t2
@@ -727,10 +1138,35 @@ class SpeculativeDecoder:
                 if row:
                     on_step(b, list(row))
 
-    def _draft(self, state: _Batch, cache: Any, active: list[int], budget: int) -> _Tree:
-        """The drafter's trees for the running rows, root-only trees for the finished ones,
-        pruned to what this step may use (at most ``budget`` nodes)."""
-        batch = len(state.tokens)
+    def _drop_finished(self, state: _Batch, cache: Any) -> None:
+        """Removes finished sequences from the target cache when it can drop rows, so that later
+        steps run at the batch size of the running rows (attention, verification and the
+        bookkeeping then cost only those)."""
+        keep = [i for i, b in enumerate(state.rows) if not state.done[b]]
+        if (
+            not keep
+            or len(keep) == len(state.rows)
+            or not callable(getattr(cache, "keep_rows", None))
+        ):
+            return
+        cache.keep_rows(torch.tensor(keep, dtype=torch.int64))
+        state.rows = [state.rows[i] for i in keep]
+
+    def _draft(
+        self,
+        state: _Batch,
+        cache: Any,
+        act: list[int],
+        budget: int,
+        per_row: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    ) -> _Tree:
+        """The drafter's trees for the running rows (cache positions ``act``), root-only trees
+        for the finished ones still in the cache, pruned to what this step may use (at most
+        ``budget`` nodes, and with ``per_row`` at most ``per_row(num_nodes, depth)[b]`` nodes in
+        row ``b``, given the nodes and depths of the trees within the other limits). Rows of the
+        result are the cache's rows."""
+        batch = len(state.rows)
+        active = [state.rows[i] for i in act]
         proposal = self.drafter.propose(active)
         p_tokens = torch.as_tensor(proposal.tokens).to("cpu", torch.int32)
         p_parents = torch.as_tensor(proposal.parents).to("cpu", torch.int32)
@@ -744,12 +1180,12 @@ class SpeculativeDecoder:
         tokens = torch.full((batch, width), -1, dtype=torch.int32)
         parents = torch.full((batch, width), -1, dtype=torch.int32)
         num_nodes = torch.ones(batch, dtype=torch.int32)
-        idx = torch.tensor(active, dtype=torch.int64)
+        idx = torch.tensor(act, dtype=torch.int64)
         tokens[idx] = p_tokens
         parents[idx] = p_parents
         num_nodes[idx] = p_num
         # Node 0 is by definition the last committed token, whatever the drafter put there.
-        tokens[:, 0] = torch.tensor([row[-1] for row in state.tokens], dtype=torch.int32)
+        tokens[:, 0] = torch.tensor([state.tokens[b][-1] for b in state.rows], dtype=torch.int32)
         probs = getattr(proposal, "draft_probs", None)
         full_probs = None
         if probs is not None:
@@ -765,11 +1201,23 @@ class SpeculativeDecoder:
         # Depth limit: a step emits at most depth + 1 tokens, so drafting past the remaining
         # budget is wasted (and could run past the target's max length).
         depth_limit = torch.zeros(batch, dtype=torch.int32)
-        for b in active:
-            depth_limit[b] = state.max_new - state.generated(b) - 1
+        for i, b in zip(act, active):
+            depth_limit[i] = state.max_new - state.generated(b) - 1
         room = cache.max_length - int(cache.lengths.max())
         limit = min(budget, room)
-        return _prune(tokens, parents, num_nodes, full_probs, depth_limit, limit)
+        info = ops.tree_info(parents)
+        node_limit: Union[int, torch.Tensor] = limit
+        if per_row is not None:
+            index = torch.arange(width).unsqueeze(0)
+            fits = (
+                (index < num_nodes.unsqueeze(1))
+                & (info.depth >= 0)
+                & (info.depth <= depth_limit.unsqueeze(1))
+                & (index < max(limit, 1))
+            )
+            depth = torch.where(fits, info.depth, -1)
+            node_limit = per_row(fits.sum(dim=1).to(torch.int32), depth).clamp(max=max(limit, 1))
+        return _prune(tokens, parents, num_nodes, full_probs, depth_limit, node_limit, info)
 
     def _tree_input(self, cache: Any, tree: _Tree) -> tuple[torch.Tensor, torch.Tensor]:
         """Target input over the trees: padding nodes become token 0 at the root's position
@@ -791,7 +1239,8 @@ class SpeculativeDecoder:
 
     def _verify(self, state: _Batch, tree: _Tree, logits: torch.Tensor) -> ops.VerifyResult:
         device = logits.device
-        offset = torch.tensor([len(row) for row in state.tokens], dtype=torch.int64)
+        offset = torch.tensor([len(state.tokens[b]) for b in state.rows], dtype=torch.int64)
+        rows = torch.tensor(state.rows, dtype=torch.int64)
         probs = tree.draft_probs
         return ops.verify(
             logits.contiguous(),
@@ -799,10 +1248,10 @@ class SpeculativeDecoder:
             parents=tree.parents.to(device),
             num_nodes=tree.num_nodes.to(device),
             draft_probs=None if probs is None else probs.to(device, torch.float32).contiguous(),
-            temperature=state.temperature.to(device),
-            top_k=state.top_k.to(device),
-            top_p=state.top_p.to(device),
-            seed=state.seed.to(device),
+            temperature=state.temperature[rows].to(device),
+            top_k=state.top_k[rows].to(device),
+            top_p=state.top_p[rows].to(device),
+            seed=state.seed[rows].to(device),
             offset=offset.to(device),
             method=self.method,
             max_depth=max(int(tree.depth.max()), 0),
@@ -812,18 +1261,19 @@ class SpeculativeDecoder:
     def _accept(
         self, state: _Batch, cache: Any, result: ops.VerifyResult, active: list[int]
     ) -> torch.Tensor:
-        """Keeps the root and the accepted nodes of each running row in the target cache;
-        finished rows drop the whole tree. Returns the accepted counts (CPU int64)."""
+        """Keeps the root and the accepted nodes of each running row (cache positions
+        ``active``) in the target cache; finished rows drop the whole tree. Returns the accepted
+        counts per cache row (CPU int64)."""
         status = result.status.cpu()
         accepted = result.num_accepted.cpu().to(torch.int64)
-        bad = [b for b in active if int(status[b]) != 0]
+        bad = [i for i in active if int(status[i]) != 0]
         if bad:
-            b = bad[0]
+            i = bad[0]
             raise RuntimeError(
-                f"target: non-finite or zero-mass distribution for sequence {b} "
-                f"(verify status {int(status[b])}); generation stopped"
+                f"target: non-finite or zero-mass distribution for sequence {state.rows[i]} "
+                f"(verify status {int(status[i])}); generation stopped"
             )
-        keep = torch.zeros(len(state.tokens), dtype=torch.int32)
+        keep = torch.zeros(cache.batch_size, dtype=torch.int32)
         keep[active] = (accepted[active] + 1).to(torch.int32)
         device = result.path.device
         cache.compact(result.path.to(torch.int32).contiguous(), keep.to(device))
@@ -837,13 +1287,14 @@ class SpeculativeDecoder:
         accepted: torch.Tensor,
         stops: set[int],
     ) -> list[list[int]]:
-        """Appends each running row's emitted tokens, cut after a stop token or at the token
-        budget; returns what each running row committed."""
+        """Appends each running row's emitted tokens (cache positions ``active``), cut after a
+        stop token or at the token budget; returns what each running row committed."""
         emitted = result.emitted.cpu()
         num = result.num_emitted.cpu()
         committed = []
-        for b in active:
-            row = emitted[b, : int(num[b])].tolist()
+        for i in active:
+            b = state.rows[i]
+            row = emitted[i, : int(num[i])].tolist()
             budget = state.max_new - state.generated(b)
             cut = next((i + 1 for i, t in enumerate(row) if t in stops), None)
             if cut is not None and cut <= budget:
@@ -874,21 +1325,28 @@ def _prune(
     num_nodes: torch.Tensor,
     probs: Optional[torch.Tensor],
     depth_limit: torch.Tensor,
-    node_limit: int,
+    node_limit: Union[int, torch.Tensor],
+    info: Optional[ops.TreeInfo] = None,
 ) -> _Tree:
-    """Keeps the nodes of each tree within its depth limit and the first ``node_limit`` nodes.
+    """Keeps the nodes of each tree within its depth limit and the first ``node_limit`` nodes
+    (an int for every row, or int ``[B]`` per row; at least the root is kept).
 
     Both conditions keep a set closed under ancestors (a parent is shallower than and precedes
     its children), so the kept nodes, renumbered in their original order, form a valid tree.
     """
-    info = ops.tree_info(parents)
+    if info is None:
+        info = ops.tree_info(parents)
     n = tokens.shape[1]
     index = torch.arange(n).unsqueeze(0)
+    if isinstance(node_limit, torch.Tensor):
+        within = index < node_limit.clamp(min=1).unsqueeze(1)
+    else:
+        within = index < max(node_limit, 1)
     keep = (
         (index < num_nodes.unsqueeze(1))
         & (info.depth >= 0)
         & (info.depth <= depth_limit.unsqueeze(1))
-        & (index < max(node_limit, 1))
+        & within
     )
     if bool(keep.all()):
         return _Tree(tokens, parents, num_nodes, probs, info.depth, info.mask)

@@ -66,6 +66,28 @@ def check_tree_mask(tree_mask: Optional[Any], batch: int, t: int, device: torch.
         raise ValueError(f"tree_mask: expected device {device}, got {tree_mask.device}")
 
 
+def check_num_nodes(num_nodes: Optional[Any], batch: int, t: int) -> Optional[torch.Tensor]:
+    """Validates a forward pass's ``num_nodes`` (real tokens per row, CPU integer ``[B]`` with
+    values in ``[0, T]``); returns it as int64, or None when every token is real (nothing to
+    skip)."""
+    if num_nodes is None:
+        return None
+    if not isinstance(num_nodes, torch.Tensor):
+        raise TypeError(f"num_nodes: expected a torch.Tensor, got {type(num_nodes).__name__}")
+    if num_nodes.dtype not in _INT_DTYPES:
+        raise TypeError(f"num_nodes: expected an integer dtype, got {num_nodes.dtype}")
+    if num_nodes.device.type != "cpu":
+        raise ValueError(f"num_nodes: expected a CPU tensor, got device {num_nodes.device}")
+    if tuple(num_nodes.shape) != (batch,):
+        raise ValueError(f"num_nodes: expected shape [{batch}], got {list(num_nodes.shape)}")
+    counts = num_nodes.to(torch.int64)
+    if batch and (int(counts.min()) < 0 or int(counts.max()) > t):
+        raise ValueError(f"num_nodes: expected values in [0, {t}], got {counts.tolist()}")
+    if int(counts.sum()) == batch * t:
+        return None
+    return counts
+
+
 def check_compact_args(
     path: Any, num_accepted: Any, batch: int, device: Optional[torch.device] = None
 ) -> None:

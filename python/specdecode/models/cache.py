@@ -135,6 +135,42 @@ class KVCache:
         self._tree_start = None
         self._tree_size = 0
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keeps only the given rows, in the given order (the batch shrinks to ``len(rows)``).
+
+        A decoding loop drops the rows of finished sequences with it, so that later passes cost
+        only the running ones. The kept rows' contents and lengths are unchanged; the storage is
+        copied (``[L, len(rows), S_max, Hkv, D]`` per kind).
+
+        Parameters
+        ----------
+        rows : torch.Tensor
+            int64 ``[R]`` on the CPU, ``1 <= R``, distinct row indices in ``[0, B)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Not an int64 CPU tensor, empty, out of range or repeated; nothing changes then.
+        """
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64:
+            raise TypeError(f"rows: expected an int64 torch.Tensor, got {rows!r}")
+        if rows.device.type != "cpu" or rows.dim() != 1 or rows.numel() == 0:
+            raise ValueError(f"rows: expected a non-empty 1-D CPU tensor, got {list(rows.shape)}")
+        if int(rows.min()) < 0 or int(rows.max()) >= self.batch_size:
+            raise ValueError(
+                f"rows: expected indices in [0, {self.batch_size}), got {rows.tolist()}"
+            )
+        if torch.unique(rows).numel() != rows.numel():
+            raise ValueError(f"rows: a row appears twice in {rows.tolist()}")
+        on_device = rows.to(self.device)
+        self.k = self.k.index_select(1, on_device)
+        self.v = self.v.index_select(1, on_device)
+        self._lengths = self._lengths.index_select(0, on_device)
+        self._host_lengths = self._host_lengths.index_select(0, rows)
+        # A pending tree (forward done, not yet compacted) stays compactable on the kept rows.
+        if self._tree_start is not None:
+            self._tree_start = self._tree_start.index_select(0, on_device)
+
     def compact(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keeps the accepted path of the tree scored by the last forward pass, in place.
 

@@ -114,5 +114,12 @@ class CausalLM(Protocol):
         torch.Tensor or (torch.Tensor, tuple of torch.Tensor)
             logits ``[B, T, V]``; with ``output_hidden``, also the requested hidden states, each
             ``[B, T, hidden]``, in the requested order.
+
+        Notes
+        -----
+        An implementation may also take a keyword-only ``num_nodes`` (integer ``[B]``: the real
+        tokens of each row, the rest padding it need not compute), as
+        :meth:`specdecode.models.Transformer.forward` does; the engine passes it when the
+        signature has it.
         """
         ...

@@ -28,7 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ._checks import check_hidden_indices, check_positive_int, check_tokens, check_tree_mask
+from ._checks import (
+    check_hidden_indices,
+    check_num_nodes,
+    check_positive_int,
+    check_tokens,
+    check_tree_mask,
+)
 from .cache import KVCache
 from .config import ModelConfig
 from .io import CONFIG_NAME, dtype_name, load_state_dict, read_config, save_state_dict
@@ -235,6 +241,14 @@ class _InferenceWeights:
 def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     out = torch.mm(x, w_t)
     return out if bias is None else out + bias
+
+
+def _unpack(x: torch.Tensor, sel: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """``[M, C]`` rows of the real tokens -> ``[n, C]`` with zeros at the padding tokens."""
+    if sel is None:
+        return x
+    out = torch.zeros((n, x.shape[1]), dtype=x.dtype, device=x.device)
+    return out.index_copy_(0, sel, x)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -467,6 +481,8 @@ class Transformer(nn.Module):
         cache: KVCache,
         tree_mask: Optional[torch.Tensor] = None,
         output_hidden: Optional[Sequence[int]] = None,
+        *,
+        num_nodes: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         """Scores ``T`` new tokens per row over the cache and appends their K/V to it.
 
@@ -488,6 +504,16 @@ class Transformer(nn.Module):
             Hidden states to return, indexed as transformers' ``hidden_states``: 0 = embeddings,
             ``i`` = output of layer ``i``, ``L`` = the final norm's output (what ``lm_head``
             reads); negative indices count from ``L + 1``.
+        num_nodes : torch.Tensor, optional
+            integer ``[B]`` on the CPU, values in ``[0, T]``: only the first ``num_nodes[b]``
+            tokens of row ``b`` are real; the rest are padding (a ragged batch of trees or
+            chains). Padding tokens are not computed: their logits and hidden states are zeros
+            and their cache slots are left as they were (they still count in ``lengths``, as
+            every one of the ``T`` slots does, and are dropped by ``compact``/``truncate``).
+            The real tokens of a row must not attend to its padding (true of every
+            ``tree_info`` mask and of a causal chain, where padding comes last). Every matrix
+            product then runs over the real tokens only, so rows of different sizes cost what
+            they hold, not ``B * T``. None: every token is real.
 
         Returns
         -------
@@ -520,11 +546,14 @@ class Transformer(nn.Module):
         if tree_mask is not None:
             tree_mask = tree_mask.contiguous()
         wanted = check_hidden_indices(output_hidden, self.config.num_hidden_layers)
+        real = check_num_nodes(num_nodes, batch, t)
         slots = cache._begin(t)
         if tree_mask is None and t > ops.MAX_TREE_NODES:
-            return self._forward_chunked(input_ids, positions, cache, output_hidden)
+            return self._forward_chunked(input_ids, positions, cache, output_hidden, real)
         with torch.no_grad():
-            logits, hidden = self._run_cached(input_ids, positions, cache, slots, tree_mask, wanted)
+            logits, hidden = self._run_cached(
+                input_ids, positions, cache, slots, tree_mask, wanted, real
+            )
         cache._commit(t)
         if output_hidden is None:
             return logits
@@ -538,10 +567,15 @@ class Transformer(nn.Module):
         slots: torch.Tensor,
         tree_mask: Optional[torch.Tensor],
         wanted: Sequence[int],
+        real: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The inference forward over validated input: :meth:`_run`'s arithmetic on the fused
         weights of :class:`_InferenceWeights`, with as few tensor ops per layer as possible
-        (this loop is the whole cost of a decoding step for a small model)."""
+        (this loop is the whole cost of a decoding step for a small model).
+
+        ``real`` (int64 ``[B]``, from :func:`check_num_nodes`): real tokens per row; the
+        token-wise work (embedding, norms, projections, MLP, head) then runs over the packed
+        real tokens only, and only attention sees the padded ``[B, T]`` layout."""
         cfg = self.config
         fast = self._inference_weights()
         batch, t = input_ids.shape
@@ -549,11 +583,21 @@ class Transformer(nn.Module):
         q_size, kv_size = hq * d, hkv * d
         eps = cfg.rms_norm_eps
         n = batch * t
+        sel = None  # flat indices (b * T + i) of the real tokens, when some are padding
+        if real is not None:
+            sel = torch.nonzero(
+                (torch.arange(t).unsqueeze(0) < real.unsqueeze(1)).reshape(n)
+            ).squeeze(1)
+            sel = sel.to(input_ids.device)
         # Rows are (sequence, token) pairs flattened: every matrix product is one 2-D mm.
-        x = F.embedding(input_ids.reshape(n), fast.embed)
+        flat_ids = input_ids.reshape(n)
         flat_pos = positions.reshape(n)
-        if int(flat_pos.max()) < fast.cos.shape[0]:
-            cos = fast.cos[flat_pos].unsqueeze(1)  # [N, 1, D]
+        if sel is not None:
+            flat_ids, flat_pos = flat_ids[sel], flat_pos[sel]
+        m_rows = flat_ids.shape[0]
+        x = F.embedding(flat_ids, fast.embed)
+        if m_rows and int(flat_pos.max()) < fast.cos.shape[0]:
+            cos = fast.cos[flat_pos].unsqueeze(1)  # [M, 1, D]
             sin = fast.sin_signed[flat_pos].unsqueeze(1)
         else:  # positions beyond max_position_embeddings: computed, as _run does
             cos, sin = self._rope(flat_pos, x.dtype)
@@ -563,8 +607,14 @@ class Transformer(nn.Module):
         prefix = cache.lengths
         host = cache._host_lengths
         # Every row at the same length (always at batch 1): the new K/V go to one slice.
-        start = int(host[0]) if batch == 1 or bool((host == host[0]).all()) else None
-        rows = None if start is not None else torch.arange(batch, device=x.device).unsqueeze(1)
+        start = None
+        if sel is None and (batch == 1 or bool((host == host[0]).all())):
+            start = int(host[0])
+        rows, kv_slots = None, slots
+        if start is None:
+            rows = torch.arange(batch, device=x.device).unsqueeze(1).expand(batch, t)
+            if sel is not None:
+                rows, kv_slots = rows.reshape(n)[sel], slots.reshape(n)[sel]
         use_kernel = self._use_kernel(d, x.dtype, x.device)
         scale = 1.0 / math.sqrt(d)
         if not use_kernel:
@@ -574,26 +624,36 @@ class Transformer(nn.Module):
             empty_rows = None if int(host.min()) > 0 else allowed.any(-1)[:, :, None, None]
             mask = allowed.unsqueeze(1)
             s = allowed.shape[-1]
+        # Padded queries of the attention call (packed mode): padding rows stay zero.
+        q_full = None
+        if sel is not None:
+            q_full = torch.zeros((n, hq, d), dtype=x.dtype, device=x.device)
         wanted_set = set(wanted)
         hidden: dict[int, torch.Tensor] = {}
         if 0 in wanted_set:
-            hidden[0] = x.view(batch, t, -1)
+            hidden[0] = x
         last = len(fast.layers)
         for i, w in enumerate(fast.layers):
             qkv = _mm(_rms_norm(x, w.ln1, eps), w.qkv_t, w.qkv_b)
             # RoPE on q and k together: x * cos + rotate_half(x) * sin (see _InferenceWeights).
-            qk = qkv[:, : q_size + kv_size].view(n, hq + hkv, d)
+            qk = qkv[:, : q_size + kv_size].view(m_rows, hq + hkv, d)
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
-            q = qk[:, :hq].view(batch, t, hq, d)
-            k = qk[:, hq:].view(batch, t, hkv, d)
-            v = qkv[:, q_size + kv_size :].view(batch, t, hkv, d)
             k_cache, v_cache = cache.k[i], cache.v[i]
+            if sel is None:
+                q = qk[:, :hq].view(batch, t, hq, d)
+                k = qk[:, hq:].view(batch, t, hkv, d)
+                v = qkv[:, q_size + kv_size :].view(batch, t, hkv, d)
+            else:
+                q_full.index_copy_(0, sel, qk[:, :hq])
+                q = q_full.view(batch, t, hq, d)
+                k = qk[:, hq:]
+                v = qkv[:, q_size + kv_size :].view(m_rows, hkv, d)
             if start is not None:
                 k_cache[:, start : start + t] = k
                 v_cache[:, start : start + t] = v
             else:
-                k_cache[rows, slots] = k.to(k_cache.dtype)
-                v_cache[rows, slots] = v.to(v_cache.dtype)
+                k_cache[rows, kv_slots] = k.to(k_cache.dtype)
+                v_cache[rows, kv_slots] = v.to(v_cache.dtype)
             if use_kernel:
                 out = ops.tree_attention(
                     q.contiguous(), k_cache, v_cache, prefix, tree_mask, scale=scale
@@ -612,17 +672,22 @@ class Transformer(nn.Module):
                 ).transpose(1, 2)
                 if empty_rows is not None:
                     out = torch.where(empty_rows, out, torch.zeros_like(out))
-            x = x + _mm(out.reshape(n, q_size), w.o_t, w.o_b)
+            out = out.reshape(n, q_size)
+            if sel is not None:
+                out = out.index_select(0, sel)
+            x = x + _mm(out, w.o_t, w.o_b)
             gate_up = torch.mm(_rms_norm(x, w.ln2, eps), w.gate_up_t)
             m = gate_up.shape[1] // 2
             x = x + torch.mm(F.silu(gate_up[:, :m]) * gate_up[:, m:], w.down_t)
             if i + 1 in wanted_set and i + 1 < last:
-                hidden[i + 1] = x.view(batch, t, -1)
+                hidden[i + 1] = x
         x = _rms_norm(x, fast.norm, eps)
         if last in wanted_set:
-            hidden[last] = x.view(batch, t, -1)
-        logits = torch.mm(x, fast.head_t).view(batch, t, -1)
-        return logits, [hidden[i] for i in wanted]
+            hidden[last] = x
+        logits = torch.mm(x, fast.head_t)
+        return _unpack(logits, sel, n).view(batch, t, -1), [
+            _unpack(hidden[i], sel, n).view(batch, t, -1) for i in wanted
+        ]
 
     def _forward_chunked(
         self,
@@ -630,23 +695,28 @@ class Transformer(nn.Module):
         positions: torch.Tensor,
         cache: KVCache,
         output_hidden: Optional[Sequence[int]],
+        real: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         """A causal chain longer than tree_attention's 1024 query rows, in consecutive chunks.
 
         Each chunk attends to the cache (which already holds the earlier chunks) plus itself
         causally, which is exactly the attention of the whole chain. Validation was done on the
-        whole input, so no chunk can fail after an earlier one was committed.
+        whole input, so no chunk can fail after an earlier one was committed. With ``real``
+        (real tokens per row, a prefix of each row), chunk ``[i, i + step)`` holds
+        ``clamp(real - i, 0, step)`` of them.
         """
         start = cache.lengths.clone()
         step = ops.MAX_TREE_NODES
         parts = []
         for i in range(0, input_ids.shape[1], step):
+            chunk = input_ids[:, i : i + step]
             parts.append(
                 self.forward(
-                    input_ids[:, i : i + step],
+                    chunk,
                     positions[:, i : i + step],
                     cache,
                     output_hidden=output_hidden,
+                    num_nodes=None if real is None else (real - i).clamp(0, chunk.shape[1]),
                 )
             )
         # The whole chain is the block that compact() refers to, not just its last chunk.
