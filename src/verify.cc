@@ -113,11 +113,16 @@ inline __m512 set1(float x) { return _mm512_set1_ps(x); }
 // * the scaling: fmul(p, 2^n) with 2^n built from n's bits equals SCALEF(p, n) = p * 2^floor(n),
 //   for n is an integer in [-126, 127] on every non-tiny lane and both round the same exact
 //   product p * 2^n once.
+// kClamp = false leaves the clamp to 88 out, for callers whose x is never above 88: there
+// MINPS(x, 88) = x, and a NaN lane is zeroed in the end either way. Every x = s_i - m_c of the
+// row loops qualifies: m_c = fmul(chunk max raw, inv_temp) >= fmul(raw_i, inv_temp) = s_i for
+// inv_temp > 0 (rounding is monotone), so x <= 0 or NaN.
+template <bool kClamp = true>
 inline __m512 exp16(__m512 x) {
   namespace c = verify::expc;
   const __mmask16 keep = _mm512_cmp_ps_mask(x, set1(c::kTiny), _CMP_GT_OQ);  // !tiny (NaN: tiny)
   // x < 88 ? x : 88 is MINPS(x, 88) exactly (a NaN x gives 88 here and 0 in the end).
-  x = _mm512_min_ps(x, set1(c::kHuge));
+  if constexpr (kClamp) x = _mm512_min_ps(x, set1(c::kHuge));
   const __m512 magic = set1(c::kMagic);
   const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, set1(c::kLog2e), magic), magic);
   const __m512 r = _mm512_fmadd_ps(n, set1(-c::kLn2Lo), _mm512_fmadd_ps(n, set1(-c::kLn2Hi), x));
@@ -147,7 +152,7 @@ struct Local16 {
       const __m512 w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, kth, _CMP_GE_OQ), raw);
       return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, wmin, _CMP_GE_OQ), w);
     } else {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_mul_ps(raw, inv_temp), m));
+      const __m512 e = exp16<false>(_mm512_sub_ps(_mm512_mul_ps(raw, inv_temp), m));
       if constexpr (!Masked) return e;
       const __m512 kept = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, kth, _CMP_GE_OQ), e);
       return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_mul_ps(kept, g), wmin, _CMP_GE_OQ),
@@ -181,6 +186,10 @@ inline float combine_lanes(__m256 acc) {
 }
 
 constexpr int kVecPerChunk = verify::kChunk / 16;
+// How far ahead of the exps of a logits row the scan asks for the row's next bytes (4 chunks of
+// float32): about the bytes that arrive while the exps of a chunk run. 2 KiB was slower, 8 KiB
+// no better (a same-load A/B of the goal row, bench/RESULTS.md).
+constexpr int kPrefetchBytes = 4096;
 static_assert(verify::kChunk % 16 == 0, "a chunk is a whole number of 16-lane vectors");
 
 // The canonical lane sum of one full chunk starting at `begin`, of a weight given per vector by
@@ -228,10 +237,11 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
       constexpr bool logits = !verify::IsProb<T>::value;
       const auto* row = v512::elems(load.row);
       const __m512 ninf = v512::set1(-verify::kInf);
+      // A logit is bad if NaN or +inf; the +inf test is left to the chunk's max below (any +inf
+      // that is not NaN is the max), so the loop tests NaN only.
       const auto is_bad = [&](__m512 v) -> __mmask16 {
         if constexpr (logits) {
-          return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) |
-                 _mm512_cmp_ps_mask(v, v512::set1(verify::kInf), _CMP_EQ_OQ);
+          return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         } else {
           return static_cast<__mmask16>(
               ~(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ) &
@@ -256,6 +266,7 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
       }
       const float inv_temp = hint.inv_temp;
       const __m512 vinv_temp = v512::set1(inv_temp);
+      const bool unit_temp = inv_temp == 1.f;
       __mmask16 flag = 0;
       for (int c = 0; c < full; ++c) {
         const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
@@ -278,15 +289,30 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
         }
         cmax[c] = _mm512_reduce_max_ps(m);
         if constexpr (logits) {
+          if (cmax[c] == verify::kInf) flag |= 1;
           if (fuse) {
             // The chunk is in L1 now: its exps and their lane sum (verify::local_logit_weight).
+            // The loads of a later chunk are started here (the exps keep the core busy for
+            // longer than a chunk takes to arrive, and the out-of-order window does not reach
+            // the next chunk's loads by itself); a prefetch past the row's end is harmless.
             const __m512 mc = v512::set1(verify::fmul(cmax[c], inv_temp));
-            lsum[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
-              const __m512 s = _mm512_sub_ps(_mm512_mul_ps(v512::load16(row, i), vinv_temp), mc);
-              const __m512 e = v512::exp16(s);
-              _mm512_storeu_ps(local + i, e);
-              return e;
-            });
+            const auto exps = [&](auto unit) {
+              lsum[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
+                _mm_prefetch(reinterpret_cast<const char*>(row + i) + v512::kPrefetchBytes,
+                             _MM_HINT_T0);
+                __m512 s = v512::load16(row, i);
+                // fmul(raw, 1) = raw for every raw (NaN stays NaN): the multiply is left out.
+                if constexpr (!decltype(unit)::value) s = _mm512_mul_ps(s, vinv_temp);
+                const __m512 e = v512::exp16<false>(_mm512_sub_ps(s, mc));
+                _mm512_storeu_ps(local + i, e);
+                return e;
+              });
+            };
+            if (unit_temp) {
+              exps(std::true_type{});
+            } else {
+              exps(std::false_type{});
+            }
           }
         }
       }
