@@ -718,6 +718,21 @@ def test_non_finite_and_zero_rows_set_status():
     assert res.status.tolist() == [ops.STATUS_NON_FINITE, ops.STATUS_BAD_DRAFT]
     s = ops.sample(torch.full((2, v), -math.inf), seed=0, offset=0)
     assert s.status.tolist() == [2, 2] and s.tokens.tolist() == [-1, -1]
+    # Whole chunks of 256 (the vector loops): +inf and NaN inside a chunk, with and without a
+    # temperature, and a row whose -inf chunks are fine.
+    v = 1024
+    logits = torch.randn(6, 2, v, generator=torch.Generator().manual_seed(4))
+    logits[0, 0, 300] = math.inf
+    logits[1, 1, 700] = math.nan
+    logits[2, 0, 256:768] = -math.inf
+    logits[3, 0, 255] = math.inf
+    logits[3, 0, 256] = -math.inf
+    logits[4, 1, 1023] = math.inf
+    tokens = torch.ones(6, 2, dtype=torch.int32)
+    allow = torch.ones(6, 2, dtype=torch.bool)
+    for temperature in (1.0, 0.7):
+        res = ops.verify(logits, tokens, allow=allow, temperature=temperature, seed=0, offset=0)
+        assert res.status.tolist() == [1, 1, 0, 1, 1, 0]
 
 
 def test_padding_and_variable_lengths():
@@ -801,6 +816,8 @@ for v in (3001, 4352):
     probs[5, 0, 100:200] = 0.0
     bad = logits.clone()
     bad[6, 0, 9] = float("nan")
+    bad[9, 0, 300] = float("inf")  # inside a whole chunk
+    bad[10, 1, 257] = float("nan")
     cases = [
         (logits, dict(draft_probs=q)),
         (logits, dict(parents=parents, draft_probs=q, top_k=40, top_p=0.8)),
