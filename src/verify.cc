@@ -594,6 +594,17 @@ void run_target(const verify::VerifyArgs& args, VerifyDType draft) {
 
 }  // namespace
 
+void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draft) {
+  switch (target) {
+    case VerifyDType::kFloat16:
+      return run_target<verify::Half>(args, draft);
+    case VerifyDType::kBFloat16:
+      return run_target<verify::BFloat16>(args, draft);
+    default:
+      return run_target<float>(args, draft);
+  }
+}
+
 int verify_exp_approx(const float* x, float* y, int64_t n, int isa) {
   const int have = static_cast<int>(cpu_isa());
   const int use = isa < have ? isa : have;
@@ -609,17 +620,6 @@ int verify_exp_approx(const float* x, float* y, int64_t n, int isa) {
 #endif
   for (int64_t i = 0; i < n; ++i) y[i] = verify::exp_approx(x[i]);
   return static_cast<int>(Isa::kBaseline);
-}
-
-void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draft) {
-  switch (target) {
-    case VerifyDType::kFloat16:
-      return run_target<verify::Half>(args, draft);
-    case VerifyDType::kBFloat16:
-      return run_target<verify::BFloat16>(args, draft);
-    default:
-      return run_target<float>(args, draft);
-  }
 }
 
 }  // namespace cpu
