@@ -12,4 +12,5 @@ PYBIND11_MODULE(_C, m) {
   sd::register_ngram_ops(m);
   sd::register_attention_ops(m);
   sd::register_verify_ops(m);
+  sd::register_verify_math_ops(m);
 }

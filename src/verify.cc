@@ -28,12 +28,18 @@ using verify::ScanResult;
 #define SD_VERIFY_HAVE_AVX2 1
 #define SD_VERIFY_HAVE_AVX512 1
 // The row loops are the whole cost; compiled for AVX2 they run about twice as wide. The walk
-// around them stays baseline code and calls into these methods.
+// around them stays baseline code and calls into these methods. FMA is part of the target (and
+// required at run time, see cpu_isa) so that verify::ffma is one instruction in these loops, not
+// a call to fmaf that keeps them from vectorising.
 #pragma GCC push_options
-#pragma GCC target("avx2")
+#pragma GCC target("avx2,fma")
 #define SD_CPU_EXEC CpuExecAvx2
 #include "verify_cpu_exec.inc"
 #undef SD_CPU_EXEC
+// verify::exp_approx as the AVX2 row loops compile it (for verify_exp_approx).
+void exp_avx2(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = verify::exp_approx(x[i]);
+}
 #pragma GCC pop_options
 
 // ---- AVX-512 ---------------------------------------------------------------------------------
@@ -43,11 +49,19 @@ using verify::ScanResult;
 // compiled for AVX-512. Each intrinsic loop performs exactly the operations of the shared
 // SD_HOST_DEVICE definition it replaces (verify::exp_approx, RowWeight, FirstResidualWeight,
 // verify::chunk_sum), element by element and in the same order: IEEE single-precision
-// mul/add/sub/compare with no FMA, so the results are bit-identical to the generic path and to the
-// CUDA kernel. Only the order-free parts differ (the max is exact in any order; the argmax is the
-// first index equal to the max).
+// mul/add/sub/compare, and a fused multiply-add exactly where the definition has verify::ffma
+// (never a contraction of its own), so the results are bit-identical to the generic path and to
+// the CUDA kernel. Only the order-free parts differ (the max is exact in any order; the argmax is
+// the first index equal to the max).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+// GCC 12's AVX-512 intrinsics (_mm512_min_ps, _mm512_castps512_ps256 via extractf64x4,
+// _mm512_cvtepu16_epi32, _mm512_slli_epi32, ...) pass _mm512_undefined_ps() & co., a
+// self-initialised `__Y = __Y`, as the merge operand of a builtin whose mask is all ones, so that
+// operand is never read; -Wmaybe-uninitialized still flags it once inlined here (GCC bug 105593,
+// fixed in GCC 13). No value of this code depends on it, so the warning is off for this section.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #define SD_CPU_EXEC CpuExecAvx512Generic
 #include "verify_cpu_exec.inc"
 #undef SD_CPU_EXEC
@@ -91,28 +105,35 @@ inline const typename Elem<T>::type* elems(const T* row) {
 
 inline __m512 set1(float x) { return _mm512_set1_ps(x); }
 
-// verify::exp_approx, operation for operation.
+// verify::exp_approx on 16 lanes, operation for operation (FMA = verify::ffma, one rounding).
+// Two steps are written differently with the same results:
+// * the clamp: exp_approx replaces a tiny x (<= -87, -inf or NaN) by 0 before computing and
+//   returns 0 for it; here such a lane computes garbage (possibly NaN; no FP exception is ever
+//   inspected) and only the final select zeroes it, so the non-tiny lanes see exactly the same x;
+// * the scaling: fmul(p, 2^n) with 2^n built from n's bits equals SCALEF(p, n) = p * 2^floor(n),
+//   for n is an integer in [-126, 127] on every non-tiny lane and both round the same exact
+//   product p * 2^n once.
+// kClamp = false leaves the clamp to 88 out, for callers whose x is never above 88: there
+// MINPS(x, 88) = x, and a NaN lane is zeroed in the end either way. Every x = s_i - m_c of the
+// row loops qualifies: m_c = fmul(chunk max raw, inv_temp) >= fmul(raw_i, inv_temp) = s_i for
+// inv_temp > 0 (rounding is monotone), so x <= 0 or NaN.
+template <bool kClamp = true>
 inline __m512 exp16(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, set1(-87.0f), _CMP_GT_OQ);  // !tiny (NaN: tiny)
-  // x < 88 ? x : 88 is MINPS(x, 88) exactly; tiny lanes become 0.
-  x = _mm512_maskz_mov_ps(keep, _mm512_min_ps(x, set1(88.0f)));
-  const __m512 magic = set1(12582912.0f);
-  const __m512 n =
-      _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, set1(1.44269504088896341f)), magic), magic);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, set1(0.693145751953125f))),
-                                 _mm512_mul_ps(n, set1(1.428606765330187e-06f)));
-  __m512 p = set1(1.0f / 5040.0f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), set1(1.0f / 720.0f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), set1(1.0f / 120.0f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), set1(1.0f / 24.0f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), set1(1.0f / 6.0f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), set1(0.5f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), set1(1.0f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), set1(1.0f));
-  // n is integral and in [-126, 127]: truncation is the exact conversion.
-  const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127));
-  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(p, scale));
+  namespace c = verify::expc;
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, set1(c::kTiny), _CMP_GT_OQ);  // !tiny (NaN: tiny)
+  // x < 88 ? x : 88 is MINPS(x, 88) exactly (a NaN x gives 88 here and 0 in the end).
+  if constexpr (kClamp) x = _mm512_min_ps(x, set1(c::kHuge));
+  const __m512 magic = set1(c::kMagic);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, set1(c::kLog2e), magic), magic);
+  const __m512 r = _mm512_fmadd_ps(n, set1(-c::kLn2Lo), _mm512_fmadd_ps(n, set1(-c::kLn2Hi), x));
+  __m512 p = set1(c::kC6);
+  p = _mm512_fmadd_ps(p, r, set1(c::kC5));
+  p = _mm512_fmadd_ps(p, r, set1(c::kC4));
+  p = _mm512_fmadd_ps(p, r, set1(c::kC3));
+  p = _mm512_fmadd_ps(p, r, set1(c::kC2));
+  p = _mm512_fmadd_ps(p, r, set1(1.0f));
+  p = _mm512_fmadd_ps(p, r, set1(1.0f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 // verify::RowWeight<T>::local on 16 raw values of one chunk (m = that chunk's m_c, g = its g_c).
@@ -131,7 +152,7 @@ struct Local16 {
       const __m512 w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, kth, _CMP_GE_OQ), raw);
       return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, wmin, _CMP_GE_OQ), w);
     } else {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_mul_ps(raw, inv_temp), m));
+      const __m512 e = exp16<false>(_mm512_sub_ps(_mm512_mul_ps(raw, inv_temp), m));
       if constexpr (!Masked) return e;
       const __m512 kept = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, kth, _CMP_GE_OQ), e);
       return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_mul_ps(kept, g), wmin, _CMP_GE_OQ),
@@ -165,6 +186,10 @@ inline float combine_lanes(__m256 acc) {
 }
 
 constexpr int kVecPerChunk = verify::kChunk / 16;
+// How far ahead of the exps of a logits row the scan asks for the row's next bytes (4 chunks of
+// float32): about the bytes that arrive while the exps of a chunk run. 2 KiB was slower, 8 KiB
+// no better (a same-load A/B of the goal row, bench/RESULTS.md).
+constexpr int kPrefetchBytes = 4096;
 static_assert(verify::kChunk % 16 == 0, "a chunk is a whole number of 16-lane vectors");
 
 // The canonical lane sum of one full chunk starting at `begin`, of a weight given per vector by
@@ -180,6 +205,16 @@ inline float chunk_lane_sum(int64_t begin, const W16& w16) {
 }
 
 }  // namespace v512
+
+// v512::exp16 over an array (for verify_exp_approx); the tail runs masked.
+void exp_avx512(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, v512::exp16(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(y + i, m, v512::exp16(_mm512_maskz_loadu_ps(m, x + i)));
+  }
+}
 
 class CpuExecAvx512 : public CpuExecAvx512Generic {
  public:
@@ -202,10 +237,11 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
       constexpr bool logits = !verify::IsProb<T>::value;
       const auto* row = v512::elems(load.row);
       const __m512 ninf = v512::set1(-verify::kInf);
+      // A logit is bad if NaN or +inf; the +inf test is left to the chunk's max below (any +inf
+      // that is not NaN is the max), so the loop tests NaN only.
       const auto is_bad = [&](__m512 v) -> __mmask16 {
         if constexpr (logits) {
-          return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) |
-                 _mm512_cmp_ps_mask(v, v512::set1(verify::kInf), _CMP_EQ_OQ);
+          return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         } else {
           return static_cast<__mmask16>(
               ~(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ) &
@@ -230,6 +266,7 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
       }
       const float inv_temp = hint.inv_temp;
       const __m512 vinv_temp = v512::set1(inv_temp);
+      const bool unit_temp = inv_temp == 1.f;
       __mmask16 flag = 0;
       for (int c = 0; c < full; ++c) {
         const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
@@ -252,15 +289,30 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
         }
         cmax[c] = _mm512_reduce_max_ps(m);
         if constexpr (logits) {
+          if (cmax[c] == verify::kInf) flag |= 1;
           if (fuse) {
             // The chunk is in L1 now: its exps and their lane sum (verify::local_logit_weight).
+            // The loads of a later chunk are started here (the exps keep the core busy for
+            // longer than a chunk takes to arrive, and the out-of-order window does not reach
+            // the next chunk's loads by itself); a prefetch past the row's end is harmless.
             const __m512 mc = v512::set1(verify::fmul(cmax[c], inv_temp));
-            lsum[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
-              const __m512 s = _mm512_sub_ps(_mm512_mul_ps(v512::load16(row, i), vinv_temp), mc);
-              const __m512 e = v512::exp16(s);
-              _mm512_storeu_ps(local + i, e);
-              return e;
-            });
+            const auto exps = [&](auto unit) {
+              lsum[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
+                _mm_prefetch(reinterpret_cast<const char*>(row + i) + v512::kPrefetchBytes,
+                             _MM_HINT_T0);
+                __m512 s = v512::load16(row, i);
+                // fmul(raw, 1) = raw for every raw (NaN stays NaN): the multiply is left out.
+                if constexpr (!decltype(unit)::value) s = _mm512_mul_ps(s, vinv_temp);
+                const __m512 e = v512::exp16<false>(_mm512_sub_ps(s, mc));
+                _mm512_storeu_ps(local + i, e);
+                return e;
+              });
+            };
+            if (unit_temp) {
+              exps(std::true_type{});
+            } else {
+              exps(std::false_type{});
+            }
           }
         }
       }
@@ -472,6 +524,7 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
   int64_t pending_n_ = 0;
   float pending_inv_temp_ = 0.f;
 };
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #endif
 
@@ -484,10 +537,12 @@ Isa cpu_isa() {
     const char* env = std::getenv("SPECDECODE_CPU_ISA");
     const std::string cap = env ? env : "";
     if (cap == "baseline") return Isa::kBaseline;
+    // Both vector paths are compiled with FMA (verify::ffma as one instruction).
+    const bool fma = __builtin_cpu_supports("fma");
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    if (avx512 && cap != "avx2") return Isa::kAvx512;
-    if (__builtin_cpu_supports("avx2")) return Isa::kAvx2;
+    if (fma && avx512 && cap != "avx2") return Isa::kAvx512;
+    if (fma && __builtin_cpu_supports("avx2")) return Isa::kAvx2;
 #endif
     return Isa::kBaseline;
   }();
@@ -548,6 +603,23 @@ void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draf
     default:
       return run_target<float>(args, draft);
   }
+}
+
+int verify_exp_approx(const float* x, float* y, int64_t n, int isa) {
+  const int have = static_cast<int>(cpu_isa());
+  const int use = isa < have ? isa : have;
+#ifdef SD_VERIFY_HAVE_AVX2
+  if (use == static_cast<int>(Isa::kAvx512)) {
+    exp_avx512(x, y, n);
+    return use;
+  }
+  if (use == static_cast<int>(Isa::kAvx2)) {
+    exp_avx2(x, y, n);
+    return use;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] = verify::exp_approx(x[i]);
+  return static_cast<int>(Isa::kBaseline);
 }
 
 }  // namespace cpu

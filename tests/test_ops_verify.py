@@ -127,6 +127,100 @@ def test_philox_known_answers():
     assert out.tolist() == expected
 
 
+# ---- the exp of the logits ---------------------------------------------------------------------
+# verify's exp (verify::exp_approx in src/specdecode/verify.h, and its AVX-512 twin in
+# src/verify.cc) is its own code so that every backend rounds identically; _C.verify_exp_approx runs
+# it with the loops of a chosen instruction set.
+ISAS = {0: "baseline", 1: "AVX2", 2: "AVX-512"}
+
+
+def native_exp(x: np.ndarray, isa: int) -> tuple[np.ndarray, int]:
+    out = np.empty_like(x)
+    used = _C.verify_exp_approx(x, out, isa)
+    return out, used
+
+
+def exp_inputs() -> np.ndarray:
+    """float32 inputs over the exp's whole finite range [-87, 88]: every 1021st bit pattern of
+    each sign (every binade, including the subnormals near 0), 2e6 values uniform in value (every
+    part of every reduction interval), and the ends."""
+    top = int(np.float32(88.0).view(np.uint32))
+    bottom = int(np.float32(87.0).view(np.uint32))
+    pos = np.arange(0, top + 1, 1021, dtype=np.uint32).view(np.float32)
+    neg = -np.arange(1, bottom + 1, 1021, dtype=np.uint32).view(np.float32)
+    uniform = np.random.default_rng(3).uniform(-87.0, 88.0, 2_000_000).astype(np.float32)
+    ends = np.array([0.0, -0.0, 88.0, -86.99999, np.nextafter(np.float32(-87), 0)], np.float32)
+    x = np.concatenate([pos, neg, uniform, ends]).astype(np.float32)
+    return x[(x > -87.0) & (x <= 88.0)]
+
+
+def test_exp_is_within_one_ulp_of_exp():
+    """The exp's error against numpy's float64 exp, in units in the last place of the float32
+    result, over the whole input range that does not flush to 0: at most 1 ulp on every
+    instruction set (the minimax polynomial itself is good to 0.06 ulp; the rest is rounding)."""
+    x = exp_inputs()
+    exact = np.exp(x.astype(np.float64))
+    _, e = np.frexp(exact)
+    ulp = np.ldexp(1.0, e - 24)  # spacing of float32 values in exact's binade
+    for isa in ISAS:
+        y, used = native_exp(x, isa)
+        if used != isa:
+            continue  # this CPU lacks the instruction set
+        assert np.all(np.isfinite(y)) and np.all(y > 0)
+        err = np.abs(y.astype(np.float64) - exact) / ulp
+        worst = int(np.argmax(err))
+        assert err[worst] <= 1.0, (ISAS[isa], float(x[worst]), float(y[worst]), exact[worst])
+
+
+def test_exp_flush_rule_and_exact_points():
+    """x <= -87, -inf and NaN give exactly 0 (such tokens count as probability 0); just above
+    -87 the result is a normal float; exp(0) is exactly 1 (the weight of a row's most likely
+    token); x >= 88 (and +inf) gives the value at 88."""
+    above = np.nextafter(np.float32(-87.0), np.float32(0.0))
+    x = np.array(
+        [
+            -87.0,
+            -87.5,
+            -88.0,
+            -100.0,
+            -1e30,
+            -np.inf,
+            np.nan,
+            above,
+            0.0,
+            -0.0,
+            88.0,
+            89.0,
+            1e30,
+            np.inf,
+        ],
+        dtype=np.float32,
+    )
+    for isa in ISAS:
+        y, used = native_exp(x, isa)
+        if used != isa:
+            continue
+        assert np.all(y[:7] == 0.0), ISAS[isa]
+        assert y[7] >= np.finfo(np.float32).tiny, ISAS[isa]
+        assert y[8] == 1.0 and y[9] == 1.0, ISAS[isa]
+        assert np.all(y[11:] == y[10]) and abs(y[10] / np.exp(88.0) - 1.0) < 2.0**-23, ISAS[isa]
+
+
+def test_exp_is_bit_identical_across_instruction_sets():
+    """The baseline loops (fmaf calls), the AVX2 loops (the shared definition compiled with FMA)
+    and the AVX-512 exp (intrinsics) give the same bits for every input, special values and the
+    vector loop's masked tail included (the length is not a multiple of 16)."""
+    specials = np.array([-np.inf, np.inf, np.nan, -87.0, 88.0, 1e30, -1e30], np.float32)
+    x = np.concatenate([exp_inputs(), specials, exp_inputs()[:11]])
+    base, used = native_exp(x, 0)
+    assert used == 0
+    for isa in (1, 2):
+        y, used = native_exp(x, isa)
+        if used != isa:
+            continue
+        assert np.array_equal(y.view(np.uint32), base.view(np.uint32)), ISAS[isa]
+
+
 # ---- sample ------------------------------------------------------------------------------------
 
 
@@ -624,6 +718,21 @@ def test_non_finite_and_zero_rows_set_status():
     assert res.status.tolist() == [ops.STATUS_NON_FINITE, ops.STATUS_BAD_DRAFT]
     s = ops.sample(torch.full((2, v), -math.inf), seed=0, offset=0)
     assert s.status.tolist() == [2, 2] and s.tokens.tolist() == [-1, -1]
+    # Whole chunks of 256 (the vector loops): +inf and NaN inside a chunk, with and without a
+    # temperature, and a row whose -inf chunks are fine.
+    v = 1024
+    logits = torch.randn(6, 2, v, generator=torch.Generator().manual_seed(4))
+    logits[0, 0, 300] = math.inf
+    logits[1, 1, 700] = math.nan
+    logits[2, 0, 256:768] = -math.inf
+    logits[3, 0, 255] = math.inf
+    logits[3, 0, 256] = -math.inf
+    logits[4, 1, 1023] = math.inf
+    tokens = torch.ones(6, 2, dtype=torch.int32)
+    allow = torch.ones(6, 2, dtype=torch.bool)
+    for temperature in (1.0, 0.7):
+        res = ops.verify(logits, tokens, allow=allow, temperature=temperature, seed=0, offset=0)
+        assert res.status.tolist() == [1, 1, 0, 1, 1, 0]
 
 
 def test_padding_and_variable_lengths():
@@ -707,6 +816,8 @@ for v in (3001, 4352):
     probs[5, 0, 100:200] = 0.0
     bad = logits.clone()
     bad[6, 0, 9] = float("nan")
+    bad[9, 0, 300] = float("inf")  # inside a whole chunk
+    bad[10, 1, 257] = float("nan")
     cases = [
         (logits, dict(draft_probs=q)),
         (logits, dict(parents=parents, draft_probs=q, top_k=40, top_p=0.8)),

@@ -1,7 +1,8 @@
 // Batched verification of draft chains and trees: the math shared by the CPU and CUDA backends.
 //
 // Everything that decides a token lives here: the per-element arithmetic (own exp/log built from
-// correctly rounded +, -, *, / only, so both backends round identically), the canonical order of
+// correctly rounded +, -, *, / and explicit fused multiply-adds only, so both backends round
+// identically; see "arithmetic" below), the canonical order of
 // every floating-point sum, the acceptance tests, the residual distributions and the order of the
 // random draws. A backend only supplies an "executor" with a handful of row-wide collectives whose
 // results are exact or defined in a fixed order (see CpuExec in src/verify.cc and the block
@@ -79,8 +80,11 @@ enum StatusBits : int32_t {
 };
 
 // ---- arithmetic that rounds identically on host and device ------------------------------------
+// Every operation below is correctly rounded (IEEE binary32, round to nearest even) on both
+// backends, so a result depends only on the operations and their order, never on the backend.
 // nvcc contracts a * b + c into an fma by default; the _rn intrinsics forbid it. The host build
-// uses -ffp-contract=off for the same reason.
+// uses -ffp-contract=off for the same reason: a fused multiply-add is only ever asked for
+// explicitly, with ffma.
 SD_HD_INLINE float fadd(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fadd_rn(a, b);
@@ -109,6 +113,20 @@ SD_HD_INLINE float fdiv(float a, float b) {
   return a / b;
 #endif
 }
+// a * b + c with ONE rounding. A fused multiply-add is correctly rounded wherever it exists, so
+// it rounds identically everywhere: __fmaf_rn on the GPU; on the host the compiler's builtin,
+// which is one vfmadd instruction in code compiled for an ISA with FMA (the AVX2 and AVX-512
+// loops of src/verify.cc, whose intrinsic exp uses _mm512_fmadd_ps) and otherwise a call to the
+// C library's fmaf (glibc's is exact; on x86-64 it dispatches to the FMA instruction at run
+// time). The baseline x86-64 loops therefore call fmaf per operation instead of vectorising
+// their exps: slower, same bits.
+SD_HD_INLINE float ffma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
 
 constexpr float kInf = __builtin_huge_valf();
 constexpr float kFloatMax = 3.402823466e38f;
@@ -116,24 +134,51 @@ constexpr float kFloatMax = 3.402823466e38f;
 SD_HD_INLINE bool is_nan(float x) { return x != x; }
 SD_HD_INLINE bool is_finite(float x) { return x >= -kFloatMax && x <= kFloatMax; }
 
-// exp(x) for the softmax, about 2 ulp. Results below 2^-126 (x < -87) flush to 0: such tokens
-// are at least e^-87 times less likely than the most likely one and count as probability 0.
+// The constants of exp_approx (shared with the AVX-512 exp in src/verify.cc, which must use the
+// same values). exp(r) on |r| <= ln2/2 is 1 + r + c2 r^2 + ... + c6 r^6: the degree-6 polynomial
+// with c0 = c1 = 1 whose float32 coefficients minimise the largest relative error on
+// |r| <= 1.0005 ln2/2 (a linear-programming minimax fit in float64, each coefficient rounded to
+// float from the highest down with the lower ones refitted; relative error 3.8e-9 = 0.06 ulp).
+// With the roundings of the evaluation, exp_approx is within 1 ulp of exp over its whole range
+// (tests/test_ops_verify.py measures it against numpy's float64 exp).
+namespace expc {
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+// Cody-Waite split of ln 2: kLn2Hi has 12 significant bits, so n * kLn2Hi is exact for |n| < 2^12
+// and x - n * kLn2Hi is exact by Sterbenz's lemma (x is within ln2/2 of n ln2).
+constexpr float kLn2Hi = 0.693145751953125f;
+constexpr float kLn2Lo = 1.428606765330187e-06f;
+constexpr float kC2 = 0x1.fffffcp-2f;
+constexpr float kC3 = 0x1.55548cp-3f;
+constexpr float kC4 = 0x1.555902p-5f;
+constexpr float kC5 = 0x1.123deap-7f;
+constexpr float kC6 = 0x1.6a25f2p-10f;
+constexpr float kTiny = -87.0f;  // x <= kTiny (and NaN) gives 0
+constexpr float kHuge = 88.0f;   // x is clamped to kHuge
+}  // namespace expc
+
+// exp(x) for the softmax, within 1 ulp of the true value (0.89 ulp the largest error measured
+// over 4.2e6 inputs spread over the whole range). Results below 2^-126 (x < -87) flush
+// to 0: such tokens are at least e^-87 times less likely than the most likely one and count as
+// probability 0. exp_approx(0) is exactly 1 (every step is exact there), which the weights rely
+// on (the most likely token of a row has weight 1). Operation for operation:
+//   n = round(x log2 e)              ffma(x, kLog2e, kMagic) - kMagic (one rounding to an integer)
+//   r = x - n ln2                    two ffma with -kLn2Hi (exact) and -kLn2Lo
+//   p = Horner in r, c6 down to c0   six ffma
+//   exp = p * 2^n                    fmul by the power of two built from n's bits
 SD_HD_INLINE float exp_approx(float x) {
-  const bool tiny = !(x > -87.0f);  // also -inf
-  x = tiny ? 0.0f : (x < 88.0f ? x : 88.0f);
+  const bool tiny = !(x > expc::kTiny);  // also -inf and NaN
+  x = tiny ? 0.0f : (x < expc::kHuge ? x : expc::kHuge);
   // n = round(x / ln 2) with the 1.5 * 2^23 trick (exact for |n| < 2^22, no libm floor).
-  const float magic = 12582912.0f;
-  const float n = fsub(fadd(fmul(x, 1.44269504088896341f), magic), magic);
-  // Cody-Waite reduction: ln2_hi has few mantissa bits, so n * ln2_hi is exact.
-  const float r = fsub(fsub(x, fmul(n, 0.693145751953125f)), fmul(n, 1.428606765330187e-06f));
-  float p = 1.0f / 5040.0f;
-  p = fadd(fmul(p, r), 1.0f / 720.0f);
-  p = fadd(fmul(p, r), 1.0f / 120.0f);
-  p = fadd(fmul(p, r), 1.0f / 24.0f);
-  p = fadd(fmul(p, r), 1.0f / 6.0f);
-  p = fadd(fmul(p, r), 0.5f);
-  p = fadd(fmul(p, r), 1.0f);
-  p = fadd(fmul(p, r), 1.0f);
+  const float n = fsub(ffma(x, expc::kLog2e, expc::kMagic), expc::kMagic);
+  const float r = ffma(n, -expc::kLn2Lo, ffma(n, -expc::kLn2Hi, x));
+  float p = expc::kC6;
+  p = ffma(p, r, expc::kC5);
+  p = ffma(p, r, expc::kC4);
+  p = ffma(p, r, expc::kC3);
+  p = ffma(p, r, expc::kC2);
+  p = ffma(p, r, 1.0f);
+  p = ffma(p, r, 1.0f);
   const int e = static_cast<int>(n) + 127;  // in [1, 254] by the clamps above
   const float scale = bits_to_float(static_cast<uint32_t>(e) << 23);
   // Evaluated unconditionally, then selected: with -ftrapping-math a conditional multiply would

@@ -16,5 +16,10 @@ enum class VerifyDType : int32_t { kNone = -1, kFloat32 = 0, kFloat16 = 1, kBFlo
 // number of threads).
 void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draft);
 
+// y[i] = verify::exp_approx(x[i]) computed by the exp of the row loops of ISA `isa` (0 baseline,
+// 1 AVX2, 2 AVX-512), capped to what this CPU runs (and to SPECDECODE_CPU_ISA); returns the ISA
+// used. For the tests of the exp's accuracy and of its bit-equality across ISAs.
+int verify_exp_approx(const float* x, float* y, int64_t n, int isa);
+
 }  // namespace cpu
 }  // namespace sd
