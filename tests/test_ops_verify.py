@@ -1036,6 +1036,7 @@ def test_cuda_matches_cpu_token_for_token(dtype):
             gpu = ops.verify(logits.cuda(), tokens.cuda(), seed=seeds(b).cuda(), offset=3, **kw_gpu)
             for x, y in zip(cpu, gpu):
                 assert torch.equal(x, y.cpu()), (v, kw.keys())
-        s_cpu = ops.sample(logits[:, 0], 0.8, 30, 0.95, seed=seeds(b), offset=1)
-        s_gpu = ops.sample(logits[:, 0].cuda(), 0.8, 30, 0.95, seed=seeds(b).cuda(), offset=1)
+        row = logits[:, 0].contiguous()  # sample takes contiguous [B, V] rows
+        s_cpu = ops.sample(row, 0.8, 30, 0.95, seed=seeds(b), offset=1)
+        s_gpu = ops.sample(row.cuda(), 0.8, 30, 0.95, seed=seeds(b).cuda(), offset=1)
         assert torch.equal(s_cpu.tokens, s_gpu.tokens.cpu())
