@@ -1,4 +1,5 @@
 // Bindings for batched verification (verify) and the Philox generator it uses.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -44,7 +45,8 @@ void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle toke
                     py::handle seed_obj, py::handle offset_obj, bool logits, int method, float eps,
                     float alpha, int topk_accept, bool correction_from_target, int max_depth,
                     py::handle emitted_obj, py::handle num_emitted_obj, py::handle path_obj,
-                    py::handle status_obj, py::handle num_accepted_obj, std::intptr_t stream) {
+                    py::handle status_obj, py::handle num_accepted_obj, std::intptr_t stream,
+                    py::handle workspace_obj, int final_slices) {
   Array target = Array::from_python(target_obj, "target");
   target.expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16})
       .expect_ndim(3)
@@ -143,15 +145,40 @@ void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle toke
   const cpu::VerifyDType target_code = float_code(target);
   const cpu::VerifyDType draft_code = draft ? float_code(*draft) : cpu::VerifyDType::kNone;
 
+  // The final draw's chunk sums run in final_slices slices of the vocabulary's chunks: on CUDA
+  // one thread block per (sequence, slice), >= 1; on the CPU 0 is the production path and >= 1
+  // runs the GPU's phases on the CPU (a testing knob; same results).
+  if (final_slices < 0 || final_slices > verify::kMaxChunks) {
+    throw_value_error("final_slices: expected 0 <= final_slices <= " +
+                      std::to_string(verify::kMaxChunks) + ", got " + std::to_string(final_slices));
+  }
+  // CUDA: the phases hand their data over in caller-allocated device memory (native code
+  // allocates nothing on the GPU): uint8 [>= verify_workspace_bytes(B, V)], 16-byte aligned.
+  std::optional<Array> workspace = optional_array(workspace_obj, "workspace", true);
   const bool on_cuda = prepare_device(target);
+  if (on_cuda) {
+    if (!workspace) throw_value_error("workspace: required for CUDA inputs");
+    workspace->expect_dtype({DType::kUInt8}).expect_ndim(1).expect_contiguous();
+    workspace->expect_same_device(target);
+    const int64_t need = verify::final_workspace_bytes(batch, vocab);
+    if (workspace->size(0) < need) {
+      throw_value_error("workspace: expected at least " + std::to_string(need) + " bytes for B = " +
+                        std::to_string(batch) + ", V = " + std::to_string(vocab) + ", got " +
+                        std::to_string(workspace->size(0)));
+    }
+    if (reinterpret_cast<std::uintptr_t>(workspace->raw()) % 16 != 0) {
+      throw_value_error("workspace: expected a 16-byte aligned buffer");
+    }
+    if (final_slices < 1) throw_value_error("final_slices: expected >= 1 for CUDA inputs");
+  }
   py::gil_scoped_release nogil;
   if (!on_cuda) {
-    cpu::verify(args, target_code, draft_code);
+    cpu::verify(args, target_code, draft_code, final_slices);
     return;
   }
 #ifdef SPECDECODE_WITH_CUDA
   check_cuda(cuda::verify(args, static_cast<int>(target_code), static_cast<int>(draft_code),
-                          as_stream(stream)),
+                          workspace->raw(), final_slices, as_stream(stream)),
              "verify");
 #endif
 }
@@ -179,6 +206,38 @@ void philox_binding(py::handle counter_obj, py::handle key_obj, py::handle out_o
   }
 }
 
+// The canonical chunk sums of a float32 row on the CPU, for tests: with lanes = false through
+// verify::chunk_sum (what every executor's sums equal), with lanes = true lane by lane
+// (verify::chunk_lane_sum for lanes 0..7, then verify::combine_lanes), as the CUDA kernels of the
+// final draw take them. values float32 [V], out float32 [ceil(V / 256)].
+void canonical_chunk_sums_binding(py::handle values_obj, py::handle out_obj, bool lanes) {
+  Array values = Array::from_python(values_obj, "values");
+  values.expect_dtype({DType::kFloat32}).expect_shape({-1}, {"V"}).expect_contiguous();
+  const int64_t n = values.size(0);
+  Array out = Array::from_python(out_obj, "out", true);
+  out.expect_dtype({DType::kFloat32})
+      .expect_shape({static_cast<int64_t>(verify::num_chunks(n))}, {"chunks"})
+      .expect_contiguous();
+  for (const Array* a : {&values, &out}) {
+    if (a->device().kind != DeviceKind::kCPU)
+      throw_value_error(std::string(a->name()) + ": expected a CPU array");
+  }
+  const float* v = values.data<float>();
+  float* o = out.data<float>();
+  const auto load = [v](int64_t i) { return v[i]; };
+  for (int c = 0; c < verify::num_chunks(n); ++c) {
+    const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+    const int64_t end = std::min<int64_t>(begin + verify::kChunk, n);
+    if (!lanes) {
+      o[c] = verify::chunk_sum(load, begin, end);
+      continue;
+    }
+    float l[8];
+    for (int j = 0; j < 8; ++j) l[j] = verify::chunk_lane_sum(load, begin, end, j);
+    o[c] = verify::combine_lanes(l);
+  }
+}
+
 }  // namespace
 
 void register_verify_ops(py::module_& m) {
@@ -188,8 +247,23 @@ void register_verify_ops(py::module_& m) {
         py::arg("method"), py::arg("eps"), py::arg("alpha"), py::arg("topk_accept"),
         py::arg("correction_from_target"), py::arg("max_depth"), py::arg("emitted"),
         py::arg("num_emitted"), py::arg("path"), py::arg("status"), py::arg("num_accepted"),
-        py::arg("stream") = 0,
-        "Verifies draft trees against target rows; fills the outputs in place.");
+        py::arg("stream") = 0, py::arg("workspace") = py::none(), py::arg("final_slices") = 0,
+        "Verifies draft trees against target rows; fills the outputs in place. CUDA inputs need "
+        "a uint8 workspace of verify_workspace_bytes(B, V) bytes and final_slices >= 1.");
+  m.def(
+      "verify_workspace_bytes",
+      [](int64_t batch, int64_t vocab) {
+        if (batch < 0 || vocab < 1 || vocab > verify::kMaxVocab) {
+          throw_value_error("verify_workspace_bytes: expected B >= 0 and 1 <= V <= " +
+                            std::to_string(verify::kMaxVocab));
+        }
+        return verify::final_workspace_bytes(batch, vocab);
+      },
+      py::arg("batch"), py::arg("vocab"),
+      "Bytes of the device workspace verify needs for CUDA inputs of batch B, vocabulary V.");
+  m.def("canonical_chunk_sums", &canonical_chunk_sums_binding, py::arg("values"), py::arg("out"),
+        py::arg("lanes"),
+        "Canonical chunk sums of a float32 row on the CPU, whole or lane by lane (for tests).");
   m.def("philox4x32_10", &philox_binding, py::arg("counter"), py::arg("key"), py::arg("out"),
         "Philox4x32-10 of each (counter, key) row, on the CPU (for known-answer tests).");
 }

@@ -177,52 +177,175 @@ class BlockExec {
   BlockShared* sh_;
 };
 
-// One block per sequence: the walk is inherently sequential over the tree, and each node's row
-// work (max, canonical chunk sums, selections) is spread over the block's threads.
+// ---- phase 1: the walk, one block per sequence -------------------------------------------------
+// The walk is inherently sequential over the tree; each node's row work (max, canonical chunk
+// sums, selections) is spread over the block's threads. It stops before the final draw and hands
+// it to phases 2 and 3 through the workspace: the FinalDraw, the stop row's m_c and g_c (logits)
+// and, for a draw from the row itself (kFinalRow), the row's S_c that prepare_row left in sums0.
+// Blocks stride over the sequences, so any batch fits the grid.
 template <class T, class Q>
-__global__ void __launch_bounds__(kThreads) verify_kernel(verify::VerifyArgs args) {
+__global__ void __launch_bounds__(kThreads)
+    walk_kernel(verify::VerifyArgs args, verify::FinalWorkspace ws) {
   __shared__ BlockShared shared;
   BlockExec ex(&shared);
-  verify::verify_sequence<BlockExec, T, Q>(ex, args, static_cast<int64_t>(blockIdx.x));
+  for (int64_t b = blockIdx.x; b < args.batch; b += gridDim.x) {
+    verify::FinalDraw fd;
+    verify::walk_sequence<BlockExec, T, Q>(ex, args, b, fd);
+    if (ex.leader()) ws.draws[b] = fd;
+    // fd.form is the same in every thread (the walk's control flow is). The last writes of
+    // chunk_max / chunk_scale / sums0 were in collectives that end with a barrier.
+    if (fd.form != verify::kFinalNone) {
+      const int64_t at = b * ws.chunks;
+      for (int c = threadIdx.x; c < ws.chunks; c += kThreads) {
+        if constexpr (!verify::IsProb<T>::value) {
+          ws.chunk_max[at + c] = shared.chunk_max[c];
+          ws.chunk_scale[at + c] = shared.chunk_scale[c];
+        }
+        if (fd.form == verify::kFinalRow) ws.sums[at + c] = shared.sums0[c];
+      }
+    }
+    // The next sequence's collectives overwrite the shared arrays read above.
+    __syncthreads();
+  }
 }
 
+// ---- phases 2 and 3: eight threads per chunk
+// -----------------------------------------------------
+constexpr int kLaneThreads = 128;
+constexpr int kLaneGroups = kLaneThreads / 8;  // chunks taken at once by a block
+static_assert(kLaneThreads % 32 == 0, "whole warps");
+
+// The executor of the final draw's phases: each chunk's canonical sum is taken by a group of 8
+// consecutive threads (aligned within a warp), thread j of the group adding lane j
+// (verify::canonical_lane_sum); the group's first thread gathers the eight lanes and combines
+// them in the canonical order (verify::combine_lanes, verify::canonical_finish), so the sums are
+// chunk_sum's bit for bit. range_sums starts and ends with a barrier: phase 3 reads `out` before
+// and after its fallback passes.
+class LaneExec {
+ public:
+  __device__ bool leader() const { return threadIdx.x == 0; }
+
+  template <class F>
+  __device__ void range_sums(int64_t n, const F& f, int c_begin, int c_end, float* out) {
+    __syncthreads();
+    const int lane = static_cast<int>(threadIdx.x & 7u);
+    // The 8 threads of this group within the warp; they iterate over the same chunks, so each
+    // shuffle below is reached by all of them (other groups of the warp may have left the loop).
+    const unsigned group_mask = 0xffu << (threadIdx.x & 24u);
+    for (int c = c_begin + static_cast<int>(threadIdx.x >> 3); c < c_end; c += kLaneGroups) {
+      const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+      const int64_t end = begin + verify::kChunk < n ? begin + verify::kChunk : n;
+      const float mine = verify::canonical_lane_sum(f, begin, end, lane);
+      float lanes[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) lanes[j] = __shfl_sync(group_mask, mine, j, 8);
+      if (lane == 0) out[c] = verify::canonical_finish(f, verify::combine_lanes(lanes), begin);
+    }
+    __syncthreads();
+  }
+};
+
+// Copies sequence b's FinalDraw into the block's shared copy (32-bit words, all threads), between
+// barriers: the first keeps it from overwriting what the previous item still reads.
+__device__ void load_draw(const verify::FinalDraw* src, verify::FinalDraw* dst) {
+  constexpr int kWords = static_cast<int>(sizeof(verify::FinalDraw) / 4);
+  __syncthreads();
+  const uint32_t* from = reinterpret_cast<const uint32_t*>(src);
+  uint32_t* to = reinterpret_cast<uint32_t*>(dst);
+  for (int w = threadIdx.x; w < kWords; w += blockDim.x) to[w] = from[w];
+  __syncthreads();
+}
+
+// Phase 2: one block per (sequence, slice): the canonical chunk sums of the draw's distribution
+// over the slice's chunks (verify::final_chunk_sums). Blocks stride over the B * slices items.
 template <class T, class Q>
-cudaError_t launch(const verify::VerifyArgs& args, cudaStream_t stream) {
-  verify_kernel<T, Q><<<static_cast<unsigned>(args.batch), kThreads, 0, stream>>>(args);
+__global__ void __launch_bounds__(kLaneThreads)
+    final_sums_kernel(verify::VerifyArgs args, verify::FinalWorkspace ws, int slices) {
+  __shared__ verify::FinalDraw fd;
+  LaneExec ex;
+  const int64_t items = args.batch * slices;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t b = item / slices;
+    const int s = static_cast<int>(item % slices);
+    load_draw(ws.draws + b, &fd);
+    int c_begin = 0, c_end = 0;
+    verify::slice_chunks(ws.chunks, slices, s, &c_begin, &c_end);
+    // Uniform over the block (fd is shared); a draw with no pass, or an empty slice, skips.
+    if (!verify::final_needs_sums(fd.form) || c_begin >= c_end) continue;
+    verify::final_chunk_sums<LaneExec, T, Q>(ex, args, b, fd, ws.rows(b), c_begin, c_end);
+  }
+}
+
+// Phase 3: one block per sequence: the total in chunk order, the checks and fallbacks, the pick
+// and the outputs (verify::finish_sequence).
+template <class T, class Q>
+__global__ void __launch_bounds__(kLaneThreads)
+    final_pick_kernel(verify::VerifyArgs args, verify::FinalWorkspace ws) {
+  __shared__ verify::FinalDraw fd;
+  LaneExec ex;
+  for (int64_t b = blockIdx.x; b < args.batch; b += gridDim.x) {
+    load_draw(ws.draws + b, &fd);
+    verify::finish_sequence<LaneExec, T, Q>(ex, args, b, fd, ws.rows(b));
+  }
+}
+
+// Grid sizes: at most this many blocks (they stride over the rest), far below gridDim.x's limit.
+constexpr int64_t kMaxBlocks = int64_t{1} << 20;
+inline unsigned grid_for(int64_t items) {
+  return static_cast<unsigned>(items < kMaxBlocks ? items : kMaxBlocks);
+}
+
+// The three phases, in order on the caller's stream (each reads what the previous one wrote).
+template <class T, class Q>
+cudaError_t launch(const verify::VerifyArgs& args, void* workspace, int slices,
+                   cudaStream_t stream) {
+  const verify::FinalWorkspace ws = verify::final_workspace_at(workspace, args.batch, args.vocab);
+  // More slices than chunks would only add empty blocks.
+  const int used = slices < ws.chunks ? slices : ws.chunks;
+  walk_kernel<T, Q><<<grid_for(args.batch), kThreads, 0, stream>>>(args, ws);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  final_sums_kernel<T, Q><<<grid_for(args.batch * used), kLaneThreads, 0, stream>>>(args, ws, used);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  final_pick_kernel<T, Q><<<grid_for(args.batch), kLaneThreads, 0, stream>>>(args, ws);
   return cudaGetLastError();
 }
 
 template <class T>
-cudaError_t launch_draft(const verify::VerifyArgs& args, int draft_dtype, cudaStream_t stream) {
+cudaError_t launch_draft(const verify::VerifyArgs& args, int draft_dtype, void* workspace,
+                         int slices, cudaStream_t stream) {
   switch (draft_dtype) {
     case 1:
-      return launch<T, verify::Half>(args, stream);
+      return launch<T, verify::Half>(args, workspace, slices, stream);
     case 2:
-      return launch<T, verify::BFloat16>(args, stream);
+      return launch<T, verify::BFloat16>(args, workspace, slices, stream);
     default:
-      return launch<T, float>(args, stream);
+      return launch<T, float>(args, workspace, slices, stream);
   }
 }
 
 // Rows of probabilities are their own element type (no exp in their loops), as on the CPU.
 template <class E>
-cudaError_t launch_target(const verify::VerifyArgs& args, int draft_dtype, cudaStream_t stream) {
-  if (args.logits) return launch_draft<E>(args, draft_dtype, stream);
-  return launch_draft<verify::Prob<E>>(args, draft_dtype, stream);
+cudaError_t launch_target(const verify::VerifyArgs& args, int draft_dtype, void* workspace,
+                          int slices, cudaStream_t stream) {
+  if (args.logits) return launch_draft<E>(args, draft_dtype, workspace, slices, stream);
+  return launch_draft<verify::Prob<E>>(args, draft_dtype, workspace, slices, stream);
 }
 
 }  // namespace
 
 cudaError_t verify(const verify::VerifyArgs& args, int target_dtype, int draft_dtype,
-                   cudaStream_t stream) {
+                   void* workspace, int slices, cudaStream_t stream) {
   if (args.batch == 0) return cudaSuccess;
+  if (!workspace || slices < 1) return cudaErrorInvalidValue;
   switch (target_dtype) {
     case 1:
-      return launch_target<verify::Half>(args, draft_dtype, stream);
+      return launch_target<verify::Half>(args, draft_dtype, workspace, slices, stream);
     case 2:
-      return launch_target<verify::BFloat16>(args, draft_dtype, stream);
+      return launch_target<verify::BFloat16>(args, draft_dtype, workspace, slices, stream);
     default:
-      return launch_target<float>(args, draft_dtype, stream);
+      return launch_target<float>(args, draft_dtype, workspace, slices, stream);
   }
 }
 

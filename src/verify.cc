@@ -220,6 +220,7 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
  public:
   using CpuExecAvx512Generic::chunk_scales;
   using CpuExecAvx512Generic::chunk_sums;
+  using CpuExecAvx512Generic::range_sums;
   using CpuExecAvx512Generic::scan;
 
   // The scan of a target row, chunk by chunk: the max of each chunk (exact in any order; kept
@@ -415,11 +416,20 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
   // computed (w = local * g_c, one multiply), else recomputed from the row; q read once.
   template <class T, class Q>
   float chunk_sums(int64_t n, const verify::FirstResidualWeight<T, Q>& f, int which) {
+    const int chunks = verify::num_chunks(n);
+    range_sums(n, f, 0, chunks, sums(which));
+    return verify::sequential_total(sums(which), chunks);
+  }
+
+  // The same for chunks [c_begin, c_end) (the final draw's phase 2: a chain's correction).
+  template <class T, class Q>
+  void range_sums(int64_t n, const verify::FirstResidualWeight<T, Q>& f, int c_begin, int c_end,
+                  float* out) {
     if constexpr (!(v512::kFast<T> && v512::kFast<Q>)) {
-      return CpuExecAvx512Generic::chunk_sums(n, f, which);
+      CpuExecAvx512Generic::range_sums(n, f, c_begin, c_end, out);
     } else {
-      if (f.weight.masked()) return residual_of<true>(n, f, which);
-      return residual_of<false>(n, f, which);
+      if (f.weight.masked()) return residual_of<true>(n, f, c_begin, c_end, out);
+      residual_of<false>(n, f, c_begin, c_end, out);
     }
   }
 
@@ -471,19 +481,19 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
   }
 
   template <bool Masked, class T, class Q>
-  float residual_of(int64_t n, const verify::FirstResidualWeight<T, Q>& f, int which) {
+  void residual_of(int64_t n, const verify::FirstResidualWeight<T, Q>& f, int c_begin, int c_end,
+                   float* out) {
     const verify::RowWeight<T>& rw = f.weight;
     const auto* row = v512::elems(rw.row);
     const auto* qrow = v512::elems(f.qrow);
     const bool cached = holds_weights_of(rw, n);
     const float* cl = row_weights_.data();
-    float* out = sums(which);
-    const int chunks = verify::num_chunks(n);
     const int full = static_cast<int>(n / verify::kChunk);
+    const int full_end = std::min(c_end, full);
     const __m512 inv_total = v512::set1(f.inv_total);
     const v512::Local16<T, Masked> local16(rw);
     constexpr bool logits = !verify::IsProb<T>::value;
-    for (int c = 0; c < full; ++c) {
+    for (int c = c_begin; c < full_end; ++c) {
       const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
       const __m512 m = v512::set1(logits ? rw.chunk_max[c] : 0.f);
       const __m512 g = v512::set1(rw.scale(begin));
@@ -501,7 +511,8 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
         });
       }
     }
-    if (full < chunks) {
+    // The partial last chunk (index full, when n is not a multiple of kChunk), if in range.
+    if (full < verify::num_chunks(n) && c_begin <= full && full < c_end) {
       const int64_t begin = static_cast<int64_t>(full) * verify::kChunk;
       if (cached) {
         const auto rest = [&](int64_t i) { return f.from_weight(rw.from_local(cl[i], i), i); };
@@ -510,7 +521,6 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
         out[full] = verify::chunk_sum(f, begin, n);
       }
     }
-    return verify::sequential_total(out, chunks);
   }
 
   // The largest raw value of every chunk of the last scanned row (maxima_row_, maxima_n_).
@@ -549,59 +559,109 @@ Isa cpu_isa() {
   return isa;
 }
 
+// The executor of the final draw's phases 2 and 3 as the CUDA kernels run them: each chunk's
+// canonical sum taken lane by lane (verify::canonical_lane_sum for lanes 0..7, then
+// verify::combine_lanes and verify::canonical_finish, which the GPU does with one thread per lane).
+// Used when a call asks for final_slices >= 1, so that the CPU tests cover that arithmetic and the
+// partition of the chunks into slices.
+struct LaneExec {
+  bool leader() const { return true; }
+  template <class F>
+  void range_sums(int64_t n, const F& f, int c_begin, int c_end, float* out) {
+    for (int c = c_begin; c < c_end; ++c) {
+      const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+      const int64_t end = std::min<int64_t>(begin + verify::kChunk, n);
+      float lanes[8];
+      for (int j = 0; j < 8; ++j) lanes[j] = verify::canonical_lane_sum(f, begin, end, j);
+      out[c] = verify::canonical_finish(f, verify::combine_lanes(lanes), begin);
+    }
+  }
+};
+
+// Verifies sequence b: the walk (phase 1), the final draw's chunk sums (phase 2) and the pick
+// (phase 3) of src/specdecode/verify.h, one after the other on this thread. The executor still
+// holds the stop row's chunk maxima and scales and, for a draw from the row itself, its chunk
+// sums in sums(0); phase 2 writes into sums(1), free once the walk is over.
+// final_slices = 0: phase 2 in one range with the executor's own (vectorised) loops, the
+// production path. final_slices >= 1: phases 2 and 3 with LaneExec, phase 2 in that many slices
+// taken last slice first (any order gives the same sums), as the CUDA backend runs them.
 template <class Ex, class T, class Q>
-void run_range(const verify::VerifyArgs& args, int64_t begin, int64_t end) {
+void verify_one(Ex& ex, const verify::VerifyArgs& args, int64_t b, int final_slices,
+                verify::FinalDraw& fd) {
+  verify::walk_sequence<Ex, T, Q>(ex, args, b, fd);
+  const verify::FinalRows rows{ex.chunk_max(), ex.chunk_scale(),
+                               ex.sums(fd.form == verify::kFinalRow ? 0 : 1)};
+  const int chunks = verify::num_chunks(args.vocab);
+  if (final_slices == 0) {
+    verify::final_chunk_sums<Ex, T, Q>(ex, args, b, fd, rows, 0, chunks);
+    verify::finish_sequence<Ex, T, Q>(ex, args, b, fd, rows);
+    return;
+  }
+  LaneExec lanes;
+  for (int s = final_slices - 1; s >= 0; --s) {
+    int c_begin = 0, c_end = 0;
+    verify::slice_chunks(chunks, final_slices, s, &c_begin, &c_end);
+    verify::final_chunk_sums<LaneExec, T, Q>(lanes, args, b, fd, rows, c_begin, c_end);
+  }
+  verify::finish_sequence<LaneExec, T, Q>(lanes, args, b, fd, rows);
+}
+
+template <class Ex, class T, class Q>
+void run_range(const verify::VerifyArgs& args, int64_t begin, int64_t end, int final_slices) {
   // One executor per thread and ISA, reused across calls: its buffers are row-sized.
   static thread_local Ex ex;
   ex.reset(args.vocab);
-  for (int64_t b = begin; b < end; ++b) verify::verify_sequence<Ex, T, Q>(ex, args, b);
+  verify::FinalDraw fd;
+  for (int64_t b = begin; b < end; ++b) verify_one<Ex, T, Q>(ex, args, b, final_slices, fd);
 }
 
 template <class T, class Q>
-void run(const verify::VerifyArgs& args) {
+void run(const verify::VerifyArgs& args, int final_slices) {
   // A row costs a few passes over V; small vocabularies (statistical tests) batch many rows.
   const int64_t per_row = std::max<int64_t>(1, args.vocab * args.n);
   const int64_t grain = std::max<int64_t>(1, 65536 / per_row);
   const Isa isa = cpu_isa();
   parallel_for(args.batch, grain, [&](int64_t begin, int64_t end) {
 #ifdef SD_VERIFY_HAVE_AVX2
-    if (isa == Isa::kAvx512) return run_range<CpuExecAvx512, T, Q>(args, begin, end);
-    if (isa == Isa::kAvx2) return run_range<CpuExecAvx2, T, Q>(args, begin, end);
+    if (isa == Isa::kAvx512) return run_range<CpuExecAvx512, T, Q>(args, begin, end, final_slices);
+    if (isa == Isa::kAvx2) return run_range<CpuExecAvx2, T, Q>(args, begin, end, final_slices);
 #endif
-    run_range<CpuExec, T, Q>(args, begin, end);
+    run_range<CpuExec, T, Q>(args, begin, end, final_slices);
   });
 }
 
 template <class T>
-void run_draft(const verify::VerifyArgs& args, VerifyDType draft) {
+void run_draft(const verify::VerifyArgs& args, VerifyDType draft, int final_slices) {
   switch (draft) {
     case VerifyDType::kFloat16:
-      return run<T, verify::Half>(args);
+      return run<T, verify::Half>(args, final_slices);
     case VerifyDType::kBFloat16:
-      return run<T, verify::BFloat16>(args);
+      return run<T, verify::BFloat16>(args, final_slices);
     default:
-      return run<T, float>(args);  // float32 draft, or none (null pointer, never read)
+      // float32 draft, or none (null pointer, never read)
+      return run<T, float>(args, final_slices);
   }
 }
 
 // Rows of probabilities are a different element type, so the logits' exp stays out of their
 // loops.
 template <class E>
-void run_target(const verify::VerifyArgs& args, VerifyDType draft) {
-  if (args.logits) return run_draft<E>(args, draft);
-  return run_draft<verify::Prob<E>>(args, draft);
+void run_target(const verify::VerifyArgs& args, VerifyDType draft, int final_slices) {
+  if (args.logits) return run_draft<E>(args, draft, final_slices);
+  return run_draft<verify::Prob<E>>(args, draft, final_slices);
 }
 
 }  // namespace
 
-void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draft) {
+void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draft,
+            int final_slices) {
   switch (target) {
     case VerifyDType::kFloat16:
-      return run_target<verify::Half>(args, draft);
+      return run_target<verify::Half>(args, draft, final_slices);
     case VerifyDType::kBFloat16:
-      return run_target<verify::BFloat16>(args, draft);
+      return run_target<verify::BFloat16>(args, draft, final_slices);
     default:
-      return run_target<float>(args, draft);
+      return run_target<float>(args, draft, final_slices);
   }
 }
 

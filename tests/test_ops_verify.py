@@ -1001,6 +1001,114 @@ def test_custom_op_opcheck():
     torch.library.opcheck(torch.ops.specdecode.verify.default, args)
 
 
+# ---- the final draw's phases (the CUDA split, run on the CPU) ----------------------------------
+
+
+def test_canonical_chunk_sums_lane_by_lane_equal_the_whole():
+    """The CUDA kernels of the final draw take a chunk's canonical sum with one thread per lane
+    (src/specdecode/verify.h, chunk_lane_sum and combine_lanes); it must be chunk_sum's number
+    bit for bit, on values whose sums depend on the order of the additions."""
+    gen = torch.Generator().manual_seed(7)
+    for v in (1, 7, 8, 9, 255, 256, 257, 1000, 4352):
+        values = torch.randn(v, generator=gen) * torch.exp(torch.randn(v, generator=gen) * 8)
+        values[::5] = values[::5].abs() * 1e-30
+        chunks = -(-v // 256)
+        whole = torch.empty(chunks)
+        lanes = torch.empty(chunks)
+        _C.canonical_chunk_sums(values, whole, False)
+        _C.canonical_chunk_sums(values, lanes, True)
+        assert torch.equal(whole.view(torch.int32), lanes.view(torch.int32)), v
+    # The order matters on these values: a plain running sum differs from the canonical one.
+    values = torch.randn(4352, generator=gen) * torch.exp(torch.randn(4352, generator=gen) * 8)
+    whole = torch.empty(17)
+    _C.canonical_chunk_sums(values, whole, False)
+    running = [float(np.cumsum(values[c * 256 : (c + 1) * 256].numpy())[-1]) for c in range(17)]
+    assert any(np.float32(r) != w for r, w in zip(running, whole.tolist()))
+    with pytest.raises(ValueError, match="out"):
+        _C.canonical_chunk_sums(values, torch.empty(3), True)
+
+
+def final_draw_cases(v: int) -> list:
+    """(target, tokens, kwargs) covering every kind of final draw: bonus from a leaf, corrections
+    from the residual at level 0 and deeper, from p_L when a residual is empty, from the row
+    without the tried tokens, from p itself, greedy, and a NaN in q found by the final residual."""
+    gen = torch.Generator().manual_seed(v)
+    b, n = 12, 5
+    logits = torch.randn(b, n, v, generator=gen) * 3
+    logits[0, 0, ::3] = -float("inf")
+    if v > 512:
+        logits[1, 0, :256] -= 60.0  # a chunk whose scale g_c is tiny
+        logits[2, 0, 256:512] = -float("inf")  # a chunk with no mass
+    q = torch.softmax(torch.randn(b, n, v, generator=gen) * 2, -1)
+    tokens = torch.randint(0, v, (b, n), generator=gen)
+    tokens[3, 1] = int(logits[3, 0].argmax())  # likely accepted: a deeper stop
+    probs = torch.softmax(logits, -1)
+    chain_parents = None
+    tree = torch.tensor([-1, 0, 0, 0, 1], dtype=torch.int32).expand(b, n).contiguous()
+    allow = torch.zeros(b, n, dtype=torch.bool)
+    allow[4:6] = True  # these rows reach the leaf: the bonus token
+    ones = torch.ones(b, n, v)  # q >= p everywhere: every residual is empty
+    bad_q = q.clone()
+    bad_q[6, 0, v // 2] = float("nan")
+    bad_logits = logits.clone()
+    bad_logits[6, 0, tokens[6, 1]] = -float("inf")  # p(x) = 0: rejected, then the NaN is met
+    return [
+        (logits, tokens, dict(draft_probs=q)),
+        (logits, tokens, dict(draft_probs=q, top_k=40, top_p=0.8, temperature=0.7)),
+        (logits, tokens, dict(draft_probs=q, parents=tree)),
+        (logits, tokens, dict(parents=tree)),
+        (logits, tokens, dict(parents=chain_parents, top_p=0.9)),
+        (logits, tokens, dict(draft_probs=q, allow=allow)),
+        (logits, tokens, dict(parents=tree, allow=allow, top_k=7)),
+        (logits, tokens, dict(method="typical", parents=tree)),
+        (logits, tokens, dict(method="topk_accept", topk_accept=3)),
+        (logits, tokens, dict(method="greedy")),
+        (logits, tokens, dict(draft_probs=q, method="relaxed", eps=0.3)),
+        (logits, tokens, dict(draft_probs=q, method="relaxed", eps=0.3, correction="target")),
+        (probs, tokens, dict(target_is_logits=False, draft_probs=q)),
+        (probs, tokens, dict(target_is_logits=False, draft_probs=ones)),
+        (probs, tokens, dict(target_is_logits=False, draft_probs=ones, parents=tree)),
+        (logits.bfloat16(), tokens, dict(draft_probs=q.bfloat16(), parents=tree)),
+        (logits.half(), tokens, dict(draft_probs=q.half())),
+        (bad_logits, tokens, dict(draft_probs=bad_q)),
+    ]
+
+
+@pytest.mark.parametrize("v", [50, 3001, 4352])
+def test_final_draw_in_slices_equals_one_pass(monkeypatch, v):
+    """The CUDA backend takes the final draw's chunk sums in slices of the vocabulary (one thread
+    block each, eight threads per chunk) and picks in a third kernel. The CPU runs the same
+    phase functions with the same lane-by-lane arithmetic when asked (_CPU_FINAL_SLICES); every
+    slice count must give the tokens of the production path, which takes them in one pass."""
+    from specdecode._ops import verify as verify_module
+
+    b = 12
+    cases = final_draw_cases(v)
+    for i, (target, tokens, kw) in enumerate(cases):
+        monkeypatch.setattr(verify_module, "_CPU_FINAL_SLICES", 0)
+        want = ops.verify(target, tokens, seed=seeds(b), offset=i, **kw)
+        if i == len(cases) - 1:
+            # The NaN in q is met by the final residual's sums (phase 2), flagged in phase 3.
+            assert int(want.status[6]) & ops.STATUS_BAD_DRAFT
+            assert int(want.num_emitted[6]) == int(want.num_accepted[6])
+        for slices in (1, 2, 3, 7, 64, 2048):
+            monkeypatch.setattr(verify_module, "_CPU_FINAL_SLICES", slices)
+            got = ops.verify(target, tokens, seed=seeds(b), offset=i, **kw)
+            for x, y in zip(want, got):
+                assert torch.equal(x, y), (v, i, slices, kw.keys())
+    for slices in (0, 5):
+        monkeypatch.setattr(verify_module, "_CPU_FINAL_SLICES", slices)
+        logits = torch.randn(7, 1, v, generator=torch.Generator().manual_seed(3))
+        s = ops.sample(logits[:, 0], 0.9, 0, 0.95, seed=seeds(7), offset=2)
+        if slices == 0:
+            first = s.tokens
+        else:
+            assert torch.equal(first, s.tokens)
+    monkeypatch.setattr(verify_module, "_CPU_FINAL_SLICES", -1)
+    with pytest.raises(ValueError, match="final_slices"):
+        ops.verify(torch.randn(1, 2, v), torch.zeros(1, 2, dtype=torch.int32), seed=0, offset=0)
+
+
 # ---- CUDA --------------------------------------------------------------------------------------
 
 
@@ -1009,12 +1117,18 @@ def test_custom_op_opcheck():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_cpu_token_for_token(dtype):
     gen = torch.Generator().manual_seed(110)
-    for v, b, n in ((50, 256, 6), (32000, 8, 5), (151936, 2, 4)):
+    # Small batches with large vocabularies take the final draw's sums in many slices (several
+    # blocks per sequence); V = 151936 and 50257 end in a partial chunk.
+    for v, b, n in ((50, 256, 6), (32000, 8, 5), (151936, 2, 4), (128256, 1, 5), (50257, 3, 6)):
         logits = (torch.randn(b, n, v, generator=gen) * 3).to(dtype)
         q = torch.softmax(torch.randn(b, n, v, generator=gen) * 3, -1).to(dtype)
         tokens = torch.randint(0, v, (b, n), generator=gen)
         parents = torch.tensor([-1, 0, 0] + list(range(1, n - 2)), dtype=torch.int32)
         parents = parents.expand(b, n).contiguous()
+        allow = torch.zeros(b, n, dtype=torch.bool)
+        allow[: (b + 1) // 2] = True  # these rows reach a leaf: the bonus token
+        bad_q = q.clone()
+        bad_q[0, 0, v // 2] = float("nan")  # met by the final residual's sums
         for kw in (
             dict(),
             dict(draft_probs=q),
@@ -1022,12 +1136,18 @@ def test_cuda_matches_cpu_token_for_token(dtype):
             dict(parents=parents, method="typical"),
             dict(method="greedy"),
             dict(draft_probs=q, method="relaxed", eps=0.2),
+            dict(draft_probs=q, method="relaxed", eps=0.2, correction="target"),
+            dict(parents=parents, top_p=0.9),
+            dict(parents=parents, allow=allow),
+            dict(draft_probs=torch.ones_like(q), parents=parents),
+            dict(draft_probs=bad_q),
         ):
             cpu = ops.verify(logits, tokens, seed=seeds(b), offset=3, **kw)
             kw_gpu = {k: (x.cuda() if isinstance(x, torch.Tensor) else x) for k, x in kw.items()}
             gpu = ops.verify(logits.cuda(), tokens.cuda(), seed=seeds(b).cuda(), offset=3, **kw_gpu)
             for x, y in zip(cpu, gpu):
                 assert torch.equal(x, y.cpu()), (v, kw.keys())
-        s_cpu = ops.sample(logits[:, 0], 0.8, 30, 0.95, seed=seeds(b), offset=1)
-        s_gpu = ops.sample(logits[:, 0].cuda(), 0.8, 30, 0.95, seed=seeds(b).cuda(), offset=1)
+        row = logits[:, 0].contiguous()  # sample takes contiguous [B, V] rows
+        s_cpu = ops.sample(row, 0.8, 30, 0.95, seed=seeds(b), offset=1)
+        s_gpu = ops.sample(row.cuda(), 0.8, 30, 0.95, seed=seeds(b).cuda(), offset=1)
         assert torch.equal(s_cpu.tokens, s_gpu.tokens.cpu())

@@ -17,6 +17,8 @@
 //   float kth_largest(n, load, k)          the k-th largest value (exact, so order-free)
 //   void chunk_scales(n, load, inv_temp, M) m_c and g_c (below) of every chunk of a logits row
 //   float* chunk_max() / chunk_scale()     where chunk_scales put them
+//   void range_sums(n, f, c_begin, c_end, out)  canonical chunk sums of f for a range of chunks
+//                                          (the final draw's phases 2 and 3, below the walk)
 // scan() also receives a ScanHint: when hint.fuse, a backend may take the chunk maxima and the
 // unmasked local weights' chunk sums during the scan and hand them to the chunk_scales() and
 // chunk_sums() calls of the same row that follow (same numbers, one read of the row).
@@ -419,19 +421,55 @@ SD_HD_INLINE RowWeight<T> row_weight_of(const T* row, float inv_temp, const RowS
   return RowWeight<T>{row, inv_temp, st.kth, st.scaled_max, st.wmin, st.chunk_max, st.chunk_scale};
 }
 
+// local_i of a row, as a per-token function (what S_c sums before its one multiply).
+template <class T>
+struct RowLocal {
+  const RowWeight<T>* f;
+  SD_HD_INLINE float operator()(int64_t i) const { return f->local(i); }
+};
+
 // S_c, the canonical chunk sum of the row weights (one multiply after the lane sum), and the
 // plain canonical chunk sum of any other per-token function.
 template <class T>
 SD_HD_INLINE float canonical_chunk_sum(const RowWeight<T>& f, int64_t begin, int64_t end) {
-  struct Local {
-    const RowWeight<T>* f;
-    SD_HD_INLINE float operator()(int64_t i) const { return f->local(i); }
-  };
-  return f.from_local(chunk_sum(Local{&f}, begin, end), begin);
+  return f.from_local(chunk_sum(RowLocal<T>{&f}, begin, end), begin);
 }
 template <class F>
 SD_HD_INLINE float canonical_chunk_sum(const F& f, int64_t begin, int64_t end) {
   return chunk_sum(f, begin, end);
+}
+
+// The canonical chunk sum lane by lane. Lane j of chunk_sum holds the elements begin + j,
+// begin + j + 8, ... of the chunk (begin is a multiple of kChunk), added in increasing order
+// starting from 0; the chunk sum combines the eight lanes as ((0+1)+(2+3))+((4+5)+(6+7)). So
+//   canonical_finish(f, combine_lanes(l), begin) with l[j] = canonical_lane_sum(f, begin, end, j)
+// equals canonical_chunk_sum(f, begin, end) bit for bit, and a backend may give each lane of a
+// chunk to its own thread (the CUDA kernels of the final draw do; the CPU runs these functions
+// when asked for several slices, see final_chunk_sums).
+template <class F>
+SD_HD_INLINE float chunk_lane_sum(const F& f, int64_t begin, int64_t end, int j) {
+  float acc = 0.f;
+  for (int64_t i = begin + j; i < end; i += 8) acc = fadd(acc, f(i));
+  return acc;
+}
+SD_HD_INLINE float combine_lanes(const float* l) {
+  return fadd(fadd(fadd(l[0], l[1]), fadd(l[2], l[3])), fadd(fadd(l[4], l[5]), fadd(l[6], l[7])));
+}
+template <class T>
+SD_HD_INLINE float canonical_lane_sum(const RowWeight<T>& f, int64_t begin, int64_t end, int j) {
+  return chunk_lane_sum(RowLocal<T>{&f}, begin, end, j);
+}
+template <class F>
+SD_HD_INLINE float canonical_lane_sum(const F& f, int64_t begin, int64_t end, int j) {
+  return chunk_lane_sum(f, begin, end, j);
+}
+template <class T>
+SD_HD_INLINE float canonical_finish(const RowWeight<T>& f, float lanes, int64_t begin) {
+  return f.from_local(lanes, begin);
+}
+template <class F>
+SD_HD_INLINE float canonical_finish(const F&, float lanes, int64_t) {
+  return lanes;
 }
 
 template <class T>
@@ -624,7 +662,7 @@ struct HeavierThan {
   SD_HD_INLINE bool operator()(int64_t i) const { return weight(i) > than; }
 };
 
-// ---- the walk ---------------------------------------------------------------------------------
+// ---- the arguments of a call, and the walk's helpers ----------------------------------------
 
 struct VerifyArgs {
   const void* target;        // [B, N, V] logits or probabilities
@@ -670,22 +708,131 @@ SD_HD_INLINE float draw_uniform(const SeqParams& sp, int node, RandPurpose purpo
       philox_draw(sp.seed, sp.offset, static_cast<uint32_t>(node), purpose, 0).v[0]);
 }
 
-#if defined(__CUDACC__)
-#pragma nv_exec_check_disable
-#endif
-template <class Ex, class T>
-SD_HOST_DEVICE int64_t sample_from(Ex& ex, const T& f, int which, float total, int64_t n,
-                                   const SeqParams& sp, int node) {
-  return pick_by_cdf(f, ex.sums(which), n, total, draw_uniform(sp, node, RandPurpose::kSample));
+// ---- the final draw ---------------------------------------------------------------------------
+// A walk ends at the first node where no child is accepted with one token still to draw: the
+// correction token from what is left of the node's target row, or the bonus token from a leaf's
+// row. That draw is taken in three phases, so that a backend can spread its full-vocabulary pass
+// over many workers (the CUDA backend: one thread block per (sequence, slice of chunks)):
+//   1. walk_sequence: the walk. It stops before the draw's full-vocabulary pass and describes
+//      the draw in a FinalDraw: which distribution (FinalForm), the row state its per-token
+//      function needs, the uniform. A distribution whose chunk sums the walk already holds (the
+//      row's own, kFinalRow: prepare_row took them) needs no pass: the backend copies those
+//      sums (its sums(0)) to the draw's sums.
+//   2. final_chunk_sums over a range [c_begin, c_end) of chunks: the canonical chunk sums of the
+//      draw's distribution for those chunks. The chunk is the unit of every canonical sum, so any
+//      partition of [0, chunks) into ranges, taken in any order, gives the same numbers.
+//   3. finish_sequence: the total (the chunk sums added in chunk order), the checks and the rare
+//      fallbacks (which take a second, whole-row pass with the same collective), the inverse-CDF
+//      pick (which reads only the chosen chunk's elements) and the sequence's outputs.
+// Phases 2 and 3 use one more collective of the executor:
+//   void range_sums(n, f, c_begin, c_end, out)   canonical_chunk_sum of f for the chunks
+//                                                [c_begin, c_end) into out[c_begin .. c_end)
+// The CPU runs the three phases per sequence, phase 2 with one range (or, for tests, several;
+// see src/verify.cc); the tokens equal those of the single walk that preceded the split.
+enum FinalForm : int32_t {
+  kFinalNone = 0,      // nothing to draw: `token` is the final token (greedy's argmax) or kPad
+  kFinalRow = 1,       // w / total of the row (bonus, and corrections from p itself)
+  kFinalResidual = 2,  // norm(max(p_L - q_L, 0)) at level L = lv.levels (q given)
+  kFinalLevel = 3,     // p_L itself: a sibling's residual before the last had no mass left
+  kFinalMasked = 4,    // w without the tried tokens (deterministic children, no q)
+};
+
+// Everything phases 2 and 3 need besides the inputs and the row's chunk data (FinalRows). The walk
+// keeps its per-node sibling state in here, so the descriptor is that state at the stop node.
+struct FinalDraw {
+  int32_t form;      // FinalForm
+  int32_t node;      // the stop node: the draw reads target[b, node] (and draft[b, node])
+  int32_t accepted;  // accepted draft tokens (emitted[b, 0 .. accepted) are written)
+  int32_t status;    // the walk's status bits
+  int32_t token;     // kFinalNone: the final token, or kPad
+  float u;           // the draw's uniform (RandPurpose::kSample at `node`)
+  // The stop row's RowState, as RowWeight reads it (m_c and g_c are in FinalRows).
+  float inv_temp;
+  float kth;
+  float scaled_max;
+  float wmin;
+  float total;
+  int32_t num_tried;            // kFinalMasked: tokens tried[0 .. num_tried) are removed
+  int32_t tried[kMaxSiblings];  //
+  SiblingLevels lv;             // kFinalResidual / kFinalLevel: the levels of p_L and q_L
+};
+static_assert(sizeof(FinalDraw) % 4 == 0, "FinalDraw is copied as 32-bit words");
+
+// Where phases 2 and 3 find a sequence's per-chunk data: the stop row's m_c and g_c (logits
+// rows) and the chunk sums of the draw's distribution.
+struct FinalRows {
+  const float* chunk_max;
+  const float* chunk_scale;
+  float* sums;
+};
+
+SD_HD_INLINE bool final_needs_sums(int32_t form) {
+  return form == kFinalResidual || form == kFinalLevel || form == kFinalMasked;
 }
 
-// Verifies sequence b. Every thread of a GPU block runs this with identical control flow (all
-// decisions come from collectives whose results every thread sees); only the leader writes.
+// The CUDA backend's global workspace for the phases (allocated by the caller: the Python layer,
+// with torch, final_workspace_bytes(batch, vocab) bytes, 16-byte aligned): a FinalDraw per
+// sequence, then per sequence `chunks` floats each of m_c, g_c and the draw's chunk sums.
+struct FinalWorkspace {
+  FinalDraw* draws;    // [B]
+  float* chunk_max;    // [B, chunks]
+  float* chunk_scale;  // [B, chunks]
+  float* sums;         // [B, chunks]
+  int chunks;
+  SD_HD_INLINE FinalRows rows(int64_t b) const {
+    const int64_t at = b * chunks;
+    return FinalRows{chunk_max + at, chunk_scale + at, sums + at};
+  }
+};
+
+SD_HD_INLINE int64_t final_draws_bytes(int64_t batch) {
+  return (batch * static_cast<int64_t>(sizeof(FinalDraw)) + 15) / 16 * 16;
+}
+SD_HD_INLINE int64_t final_workspace_bytes(int64_t batch, int64_t vocab) {
+  return final_draws_bytes(batch) + 3 * batch * num_chunks(vocab) * static_cast<int64_t>(4);
+}
+SD_HD_INLINE FinalWorkspace final_workspace_at(void* base, int64_t batch, int64_t vocab) {
+  FinalWorkspace ws;
+  ws.chunks = num_chunks(vocab);
+  ws.draws = static_cast<FinalDraw*>(base);
+  float* floats = reinterpret_cast<float*>(static_cast<char*>(base) + final_draws_bytes(batch));
+  const int64_t per = batch * ws.chunks;
+  ws.chunk_max = floats;
+  ws.chunk_scale = floats + per;
+  ws.sums = floats + 2 * per;
+  return ws;
+}
+
+// Chunks [*begin, *end) of slice s of `slices`: a balanced partition of [0, chunks) (a slice is
+// empty when slices > chunks).
+SD_HD_INLINE void slice_chunks(int chunks, int slices, int s, int* begin, int* end) {
+  *begin = static_cast<int>(static_cast<int64_t>(s) * chunks / slices);
+  *end = static_cast<int>(static_cast<int64_t>(s + 1) * chunks / slices);
+}
+
+template <class T>
+SD_HD_INLINE RowWeight<T> final_row_weight(const VerifyArgs& a, int64_t row_index,
+                                           const FinalDraw& fd, const FinalRows& rows) {
+  const T* trow = static_cast<const T*>(a.target) + row_index * a.vocab;
+  return RowWeight<T>{trow,    fd.inv_temp,    fd.kth,          fd.scaled_max,
+                      fd.wmin, rows.chunk_max, rows.chunk_scale};
+}
+
+template <class Q>
+SD_HD_INLINE const Q* final_draft_row(const VerifyArgs& a, int64_t row_index) {
+  return a.draft ? static_cast<const Q*>(a.draft) + row_index * a.vocab : nullptr;
+}
+
+// ---- the walk (phase 1) -----------------------------------------------------------------------
+
+// Walks sequence b and leaves its final draw in fd (see above). Every thread of a GPU block runs
+// this with identical control flow (all decisions come from collectives whose results every
+// thread sees), each with its own fd; only the leader writes outputs.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
 template <class Ex, class T, class Q>
-SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
+SD_HOST_DEVICE void walk_sequence(Ex& ex, const VerifyArgs& a, int64_t b, FinalDraw& fd) {
   const int n = a.n;
   const int64_t vocab = a.vocab;
   const int width = a.max_depth + 1;
@@ -694,6 +841,21 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
   if (ex.leader()) {
     for (int i = 0; i < width; ++i) emitted[i] = path[i] = kPad;
   }
+  fd.form = kFinalNone;
+  fd.node = 0;
+  fd.token = kPad;
+  fd.u = 0.f;
+  fd.inv_temp = 1.f;
+  fd.kth = -kInf;
+  fd.scaled_max = 0.f;
+  fd.wmin = 0.f;
+  fd.total = 0.f;
+  fd.num_tried = 0;
+  SiblingLevels& lv = fd.lv;
+  lv.levels = 0;
+  lv.q_scale[0] = 1.f;
+  lv.tried_q = 0.f;
+
   int32_t status = 0;
   int count = n;
   const int32_t* parents = a.parents ? a.parents + b * n : nullptr;
@@ -731,9 +893,9 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
   sp.seed = static_cast<uint64_t>(a.seed[b]);
   sp.offset = static_cast<uint64_t>(a.offset[b]);
   const bool greedy = a.method == kGreedy || sp.greedy;
+  const bool from_target = a.method == kRelaxed && a.correction_from_target;
 
   int accepted_count = 0;
-  int32_t final_token = kPad;
   int node = 0;
   if (status == 0 && ex.leader()) path[0] = 0;
   while (status == 0) {
@@ -751,6 +913,7 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
     }
     const RowWeight<T> weight = row_weight_of(trow, sp.inv_temp, st);
     int accepted = -1;
+    int32_t form = kFinalNone;  // the draw at this node when no child is accepted
 
     if (greedy) {
       for (int c = first; c >= 0; c = next_child(parents, node, c, count)) {
@@ -759,10 +922,10 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
           break;
         }
       }
-      if (accepted < 0) final_token = static_cast<int32_t>(st.argmax);
+      if (accepted < 0) fd.token = static_cast<int32_t>(st.argmax);
     } else if (first < 0) {
       // A leaf: the bonus token from the target row.
-      final_token = static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));
+      form = kFinalRow;
     } else if (a.method == kTypical || a.method == kTopKAccept) {
       float threshold = 0.f;
       if (a.method == kTypical) {
@@ -789,14 +952,11 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
           break;
         }
       }
-      if (accepted < 0) {
-        final_token = static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));
-      }
+      if (accepted < 0) form = kFinalRow;
     } else if (draft) {
       // Exact / relaxed with siblings sampled from q = draft[b, node] without replacement.
       const Q* qrow = draft + row_index * vocab;
       const float inv_total = fdiv(1.f, st.total);
-      SiblingLevels lv;
       lv.levels = 0;
       lv.q_scale[0] = 1.f;
       lv.tried_q = 0.f;
@@ -825,6 +985,10 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
           accepted = c;
           break;
         }
+        // The residual after the last sibling serves only the correction draw: its sums are the
+        // draw's (phase 2), taken at level lv.levels as it is now. With the correction from p
+        // itself they are still taken here, where a NaN in q flags the row as for any sibling.
+        if (!from_target && next_child(parents, node, c, count) < 0) break;
         const float beta =
             lv.levels == 0
                 ? ex.chunk_sums(vocab, FirstResidualWeight<T, Q>{weight, qrow, inv_total}, 1)
@@ -850,31 +1014,14 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
       }
       if (status != 0) break;
       if (accepted < 0) {
-        if (a.method == kRelaxed && a.correction_from_target) {
-          final_token = static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));
-        } else if (residual_empty) {
-          const LevelWeight<T, Q> level{weight, qrow, &lv, inv_total};
-          const float total = ex.chunk_sums(vocab, level, 1);
-          final_token = static_cast<int32_t>(sample_from(ex, level, 1, total, vocab, sp, node));
-        } else {
-          // sums(1) holds the chunk sums of the last level's residual; rebuild its weight with
-          // the levels as they were when those sums were taken.
-          const float beta = lv.beta[lv.levels - 1];
-          if (lv.levels == 1) {
-            const FirstResidualWeight<T, Q> residual{weight, qrow, inv_total};
-            final_token = static_cast<int32_t>(sample_from(ex, residual, 1, beta, vocab, sp, node));
-          } else {
-            SiblingLevels last = lv;
-            --last.levels;
-            const ResidualWeight<T, Q> residual{weight, qrow, &last, inv_total};
-            final_token = static_cast<int32_t>(sample_from(ex, residual, 1, beta, vocab, sp, node));
-          }
-        }
+        // Without from_target or an empty residual, the loop ended at the last sibling's break
+        // above (every earlier rejection continues to a next sibling).
+        form = from_target ? kFinalRow : residual_empty ? kFinalLevel : kFinalResidual;
       }
     } else {
       // Exact / relaxed with deterministic children (no q): accept c with
       // p(c) / (1 - p(tried)) (+ eps for relaxed); the residual is p without the tried tokens.
-      int32_t tried[kMaxSiblings];
+      int32_t* tried = fd.tried;
       int num_tried = 0;
       float tried_w = 0.f;
       for (int c = first; c >= 0; c = next_child(parents, node, c, count)) {
@@ -903,23 +1050,9 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
           tried_w = fadd(tried_w, wx);
         }
       }
+      fd.num_tried = num_tried;
       if (status != 0) break;
-      if (accepted < 0) {
-        if ((a.method == kRelaxed && a.correction_from_target) || num_tried == 0) {
-          final_token = static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));
-        } else {
-          const MaskedWeight<T> masked{weight, tried, num_tried};
-          float total = ex.chunk_sums(vocab, masked, 1);
-          if (total > 0.f) {
-            final_token = static_cast<int32_t>(sample_from(ex, masked, 1, total, vocab, sp, node));
-          } else {
-            // The tried tokens held all the mass (only by rounding, as one would have been
-            // accepted): fall back to the full row.
-            final_token =
-                static_cast<int32_t>(sample_from(ex, weight, 0, st.total, vocab, sp, node));
-          }
-        }
-      }
+      if (accepted < 0) form = (from_target || num_tried == 0) ? kFinalRow : kFinalMasked;
     }
 
     if (accepted >= 0) {
@@ -931,14 +1064,123 @@ SD_HOST_DEVICE void verify_sequence(Ex& ex, const VerifyArgs& a, int64_t b) {
       node = accepted;
       continue;
     }
+    if (form != kFinalNone) {
+      fd.form = form;
+      fd.node = node;
+      fd.u = draw_uniform(sp, node, RandPurpose::kSample);
+      fd.inv_temp = sp.inv_temp;
+      fd.kth = st.kth;
+      fd.scaled_max = st.scaled_max;
+      fd.wmin = st.wmin;
+      fd.total = st.total;
+    }
     break;
   }
+  fd.accepted = accepted_count;
+  fd.status = status;
+}
+
+// ---- phase 2: the draw's chunk sums over a range of chunks ------------------------------------
+
+// Canonical chunk sums of the draw's distribution for chunks [c_begin, c_end) into rows.sums;
+// nothing for a draw that needs none (final_needs_sums). Every thread of a block calls it.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Ex, class T, class Q>
+SD_HOST_DEVICE void final_chunk_sums(Ex& ex, const VerifyArgs& a, int64_t b, const FinalDraw& fd,
+                                     const FinalRows& rows, int c_begin, int c_end) {
+  if (!final_needs_sums(fd.form)) return;
+  const int64_t row_index = b * a.n + fd.node;
+  const RowWeight<T> weight = final_row_weight<T>(a, row_index, fd, rows);
+  const Q* qrow = final_draft_row<Q>(a, row_index);
+  const float inv_total = fdiv(1.f, fd.total);
+  if (fd.form == kFinalMasked) {
+    ex.range_sums(a.vocab, MaskedWeight<T>{weight, fd.tried, fd.num_tried}, c_begin, c_end,
+                  rows.sums);
+  } else if (fd.form == kFinalLevel) {
+    ex.range_sums(a.vocab, LevelWeight<T, Q>{weight, qrow, &fd.lv, inv_total}, c_begin, c_end,
+                  rows.sums);
+  } else if (fd.lv.levels == 0) {
+    ex.range_sums(a.vocab, FirstResidualWeight<T, Q>{weight, qrow, inv_total}, c_begin, c_end,
+                  rows.sums);
+  } else {
+    ex.range_sums(a.vocab, ResidualWeight<T, Q>{weight, qrow, &fd.lv, inv_total}, c_begin, c_end,
+                  rows.sums);
+  }
+}
+
+// ---- phase 3: total, pick, outputs ------------------------------------------------------------
+
+// Every thread of a block runs this with identical control flow (the sums it reads are the same
+// for all; range_sums is a collective); only the leader writes the outputs.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Ex, class T, class Q>
+SD_HOST_DEVICE void finish_sequence(Ex& ex, const VerifyArgs& a, int64_t b, const FinalDraw& fd,
+                                    const FinalRows& rows) {
+  const int64_t vocab = a.vocab;
+  const int chunks = num_chunks(vocab);
+  int32_t status = fd.status;
+  int64_t token = fd.token;
+  if (fd.form != kFinalNone) {
+    const int64_t row_index = b * a.n + fd.node;
+    const RowWeight<T> weight = final_row_weight<T>(a, row_index, fd, rows);
+    const Q* qrow = final_draft_row<Q>(a, row_index);
+    const float inv_total = fdiv(1.f, fd.total);
+    if (fd.form == kFinalRow) {
+      token = pick_by_cdf(weight, rows.sums, vocab, fd.total, fd.u);
+    } else if (fd.form == kFinalMasked) {
+      const MaskedWeight<T> masked{weight, fd.tried, fd.num_tried};
+      const float total = sequential_total(rows.sums, chunks);
+      if (total > 0.f) {
+        token = pick_by_cdf(masked, rows.sums, vocab, total, fd.u);
+      } else {
+        // The tried tokens held all the mass (only by rounding, as one would have been
+        // accepted): the draw falls back to the full row, whose S_c are taken again.
+        ex.range_sums(vocab, weight, 0, chunks, rows.sums);
+        token = pick_by_cdf(weight, rows.sums, vocab, fd.total, fd.u);
+      }
+    } else {
+      const LevelWeight<T, Q> level{weight, qrow, &fd.lv, inv_total};
+      float total = sequential_total(rows.sums, chunks);
+      bool from_level = fd.form == kFinalLevel;
+      bool bad_draft = false;
+      if (fd.form == kFinalResidual) {
+        if (is_nan(total)) {
+          // A draft probability of the row is NaN, Inf or negative: no correction token.
+          status |= kBadDraftRow;
+          bad_draft = true;
+        } else if (!(total > 0.f)) {
+          // p_L <= q_L everywhere yet the last sibling was rejected (rounding): nothing is left
+          // to move, so the correction comes from p_L itself.
+          ex.range_sums(vocab, level, 0, chunks, rows.sums);
+          total = sequential_total(rows.sums, chunks);
+          from_level = true;
+        }
+      }
+      if (!bad_draft) {
+        if (from_level) {
+          token = pick_by_cdf(level, rows.sums, vocab, total, fd.u);
+        } else if (fd.lv.levels == 0) {
+          token = pick_by_cdf(FirstResidualWeight<T, Q>{weight, qrow, inv_total}, rows.sums, vocab,
+                              total, fd.u);
+        } else {
+          token = pick_by_cdf(ResidualWeight<T, Q>{weight, qrow, &fd.lv, inv_total}, rows.sums,
+                              vocab, total, fd.u);
+        }
+      }
+    }
+  }
   if (ex.leader()) {
-    const bool has_final = final_token >= 0 && (status & (kBadTree | kBadToken)) == 0;
-    if (has_final) emitted[accepted_count] = final_token;
-    if (status & (kBadTree | kBadToken)) accepted_count = 0;
-    a.num_emitted[b] = accepted_count + (has_final ? 1 : 0);
-    a.num_accepted[b] = accepted_count;
+    const int width = a.max_depth + 1;
+    int accepted = fd.accepted;
+    const bool has_final = token >= 0 && (status & (kBadTree | kBadToken)) == 0;
+    if (has_final) a.emitted[b * width + accepted] = static_cast<int32_t>(token);
+    if (status & (kBadTree | kBadToken)) accepted = 0;
+    a.num_emitted[b] = accepted + (has_final ? 1 : 0);
+    a.num_accepted[b] = accepted;
     a.status[b] = status;
   }
 }

@@ -49,6 +49,11 @@ _STATUS_BAD_TREE, _STATUS_BAD_TOKEN, _STATUS_DEPTH, _STATUS_SIBLINGS = 16, 32, 6
 
 _METHODS = {"exact": 0, "greedy": 1, "typical": 2, "relaxed": 3, "topk_accept": 4}
 
+_CPU_FINAL_SLICES = 0
+"""Testing knob (not API): with a value >= 1, CPU calls take the final draw's chunk sums in that
+many slices with the CUDA kernels' lane-by-lane arithmetic (src/verify.cc, ``verify_one``); 0 is
+the production path. Every value gives the same results, which tests/test_ops_verify.py checks."""
+
 Scalar = Union[int, float]
 
 
@@ -223,6 +228,16 @@ def _raise_walk_errors(status: torch.Tensor, parents: Optional[torch.Tensor], n:
 # ---- the native call, registered with torch.library ----------------------------------------------
 
 
+def _final_slices(batch: int, vocab: int, device: torch.device) -> int:
+    """Slices of the vocabulary's 256-token chunks for the CUDA kernel of the final draw's sums
+    (one thread block per sequence and slice): about two blocks per SM, and at least 16 chunks a
+    slice (one pass of a 128-thread block, eight threads per chunk)."""
+    chunks = -(-vocab // 256)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(batch, 1))
+    return int(max(1, min(want, -(-chunks // 16))))
+
+
 def _run(
     target: torch.Tensor,
     tokens: torch.Tensor,
@@ -251,6 +266,15 @@ def _run(
     num_emitted = torch.empty((batch,), dtype=torch.int32, device=device)
     status = torch.empty_like(num_emitted)
     num_accepted = torch.empty_like(num_emitted)
+    workspace = None
+    final_slices = _CPU_FINAL_SLICES
+    vocab = int(target.shape[-1]) if target.dim() == 3 else 0
+    if device.type == "cuda" and 1 <= vocab <= MAX_VOCAB:
+        # The kernels of the final draw hand their data over in this buffer (native code
+        # allocates nothing on the GPU); other shapes are left to the native validation.
+        final_slices = _final_slices(batch, vocab, device)
+        size = _C.verify_workspace_bytes(batch, vocab)
+        workspace = torch.empty((size,), dtype=torch.uint8, device=device)
     _C.verify(
         target,
         draft_probs,
@@ -276,6 +300,8 @@ def _run(
         status,
         num_accepted,
         stream_of(device),
+        workspace,
+        final_slices,
     )
     if check:
         _raise_walk_errors(status, parents, n)
