@@ -701,3 +701,80 @@ def test_padding_of_short_drafts_is_not_computed(target, references, monkeypatch
     assert out.sequences == expected
     assert seen[0].tolist() == [len(p) - 1 for p in prompts]  # ragged prefill
     assert all(s is not None and int(s.min()) >= 1 for s in seen[1:])
+
+
+# ---- robust calibration of the cost curve -------------------------------------------------------
+
+
+def test_fit_line_recovers_a_line_and_ignores_a_slow_point():
+    exact = [(m, 2.0 + 0.5 * m) for m in (1, 2, 4, 8, 16, 17)]
+    assert [c for _, c in engine_module._fit_line(exact)] == pytest.approx([c for _, c in exact])
+    # One size timed during a burst of load (noise only adds time): the line does not move.
+    noisy = list(exact)
+    noisy[2] = (4, 40.0)
+    fitted = engine_module._fit_line(noisy)
+    assert [m for m, _ in fitted] == [m for m, _ in exact]
+    assert [c for _, c in fitted] == pytest.approx([c for _, c in exact])
+    # Falling times (noise at the small sizes) give a flat curve, never a falling one.
+    falling = engine_module._fit_line([(1, 5.0), (2, 4.0), (4, 3.0), (8, 2.0)])
+    costs = [c for _, c in falling]
+    assert costs == sorted(costs) and all(c > 0 for c in costs)
+    assert engine_module._fit_line([(3, 1.5)]) == [(3, 1.5)]
+
+
+class _SleepyTarget:
+    """A stand-in target whose pass takes ``a + b * real tokens`` seconds, plus a burst of
+    ``burst`` seconds on the calls listed in ``slow`` (a busy machine)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, a: float, b: float, burst: float, slow: set) -> None:
+        self.a, self.b, self.burst, self.slow = a, b, burst, slow
+        self.calls: list[int] = []
+
+    def forward(self, tokens, positions, cache, tree_mask=None, *, num_nodes=None):
+        import time
+
+        self.calls.append(int(num_nodes.sum()))
+        extra = self.burst if len(self.calls) - 1 in self.slow else 0.0
+        time.sleep(self.a + self.b * int(num_nodes.sum()) + extra)
+        cache.lengths = cache.lengths + tokens.shape[1]
+
+
+class _LengthsCache:
+    def __init__(self, batch: int, length: int, max_length: int) -> None:
+        self.batch_size = batch
+        self.max_length = max_length
+        self.lengths = torch.full((batch,), length, dtype=torch.int64)
+        self.truncations = 0
+
+    def truncate(self, lengths) -> None:
+        self.lengths = torch.as_tensor(lengths, dtype=torch.int64).clone()
+        self.truncations += 1
+
+
+def test_calibration_interleaves_rounds_and_survives_bursts():
+    """Every size is timed once per round (a burst hits one round of several sizes, not all the
+    passes of one), every pass is rolled back, and the calibrated line is the target's cost
+    although several passes ran during bursts."""
+    rng = np.random.default_rng(0)
+    shapes = 6 + 2  # sizes 1, 2, 4, 8, 16 and 17 real tokens, then the two padding shapes
+    total = shapes * engine_module._CALIBRATION_ROUNDS
+    slow = set(rng.choice(total, size=total // 4, replace=False).tolist())
+    target = _SleepyTarget(a=2e-3, b=2e-4, burst=2e-2, slow=slow)
+    cache = _LengthsCache(1, 10, 100)
+    curve = engine_module._calibrate(target, cache, 17, True)
+    assert len(target.calls) == total and cache.truncations == total
+    assert cache.lengths.tolist() == [10]
+    # Round r times the sizes in order: the calls repeat one round's pattern.
+    first = target.calls[:shapes]
+    assert first[:6] == [1, 2, 4, 8, 16, 17]
+    assert target.calls == first * engine_module._CALIBRATION_ROUNDS
+    sizes = [m for m, _ in curve.points]
+    costs = np.array([c for _, c in curve.points])
+    assert sizes == [1, 2, 4, 8, 16, 17]
+    slope = (costs[-1] - costs[0]) / 16
+    # Sleeping overshoots by a roughly constant amount on a busy machine; the slope is what the
+    # budget's choice depends on, and a burst (20 ms) on any used point would swamp it.
+    assert 1e-4 < slope < 4e-4
+    assert 2e-3 <= costs[0] < 8e-3

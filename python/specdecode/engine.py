@@ -412,6 +412,8 @@ def _accepts_num_nodes(target: Any) -> bool:
 # Calibrated forward-cost curves of CostAwareBudget, per target and batch size (as for
 # AdaptiveBudget: a target's cost curve does not change between generate() calls).
 _COST_CURVES: weakref.WeakKeyDictionary[Any, dict[int, _CostCurve]] = weakref.WeakKeyDictionary()
+# Interleaved timing rounds of a calibration (each keeps the fastest pass of every size).
+_CALIBRATION_ROUNDS = 5
 
 
 @dataclasses.dataclass
@@ -463,11 +465,11 @@ class _CostCurve:
         return c1 + (c1 - c0) * (m - m1) / (m1 - m0) + extra
 
 
-def _time_pass(
-    target: Any, cache: Any, nodes: torch.Tensor, width: int, ragged: bool, lengths: torch.Tensor
-) -> float:
-    """Fastest of 2 forward passes of chains of ``nodes[b]`` real tokens per row padded to
-    ``width`` on the live cache, each rolled back."""
+def _chain_input(
+    target: Any, cache: Any, nodes: torch.Tensor, width: int, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, positions and tree mask of chains of ``nodes[b]`` real tokens per row padded to
+    ``width`` after each row's ``lengths[b]`` cached tokens (the input of a timing pass)."""
     batch = int(cache.batch_size)
     parents = ops.chain_parents(batch, width - 1).to(torch.int32)
     idx = torch.arange(width).unsqueeze(0)
@@ -476,41 +478,85 @@ def _time_pass(
     mask = ops.tree_info(parents).mask.to(device)
     tokens = torch.zeros((batch, width), dtype=torch.int64, device=device)
     positions = (lengths.unsqueeze(1) + torch.arange(width)).to(device)
-    extra = {"num_nodes": nodes} if ragged else {}
-    best = float("inf")
-    for _ in range(2):
-        t0 = time.perf_counter()
-        target.forward(tokens, positions, cache, tree_mask=mask, **extra)
-        best = min(best, time.perf_counter() - t0)
-        cache.truncate(lengths)
+    return tokens, positions, mask
+
+
+def _time_passes(
+    target: Any,
+    cache: Any,
+    shapes: Sequence[tuple[torch.Tensor, int]],
+    ragged: bool,
+    lengths: torch.Tensor,
+    rounds: int = _CALIBRATION_ROUNDS,
+) -> list[float]:
+    """Fastest forward seconds of each ``(nodes, width)`` pass shape on the live cache (every
+    pass rolled back).
+
+    The shapes are timed in interleaved rounds (each round times every shape once) and each
+    keeps its minimum: noise on a shared machine only ever adds time, and a burst of it hits one
+    round of every shape rather than all the passes of one shape, so the minima of the shapes
+    are comparable with one another."""
+    inputs = [_chain_input(target, cache, nodes, width, lengths) for nodes, width in shapes]
+    best = [float("inf")] * len(shapes)
+    for _ in range(max(1, rounds)):
+        for j, ((nodes, _), (tokens, positions, mask)) in enumerate(zip(shapes, inputs)):
+            extra = {"num_nodes": nodes} if ragged else {}
+            t0 = time.perf_counter()
+            target.forward(tokens, positions, cache, tree_mask=mask, **extra)
+            best[j] = min(best[j], time.perf_counter() - t0)
+            cache.truncate(lengths)
     return best
 
 
+def _fit_line(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The points replaced by a robust line ``a + b * M`` through them (Theil-Sen: ``b`` the
+    median of the pairwise slopes, clipped at 0 since a pass never costs less for more tokens;
+    ``a`` the median of ``y - b * M``), values kept ``> 0``.
+
+    A line has two parameters estimated from all the points, and medians ignore a minority of
+    bad points, so a size that was timed while the machine was busy (its time too high, noise
+    only ever adds) moves neither the curve nor the budget's choice; in a curve through the raw
+    points one slow size bends the cost of every size around it."""
+    xs = np.array([m for m, _ in points], dtype=np.float64)
+    ys = np.array([c for _, c in points], dtype=np.float64)
+    if xs.size < 2 or float(np.ptp(xs)) == 0.0:
+        return [(int(m), float(ys.min())) for m in xs]
+    i, j = np.triu_indices(xs.size, k=1)
+    apart = xs[j] != xs[i]
+    slopes = (ys[j] - ys[i])[apart] / (xs[j] - xs[i])[apart]
+    slope = max(0.0, float(np.median(slopes)))
+    intercept = float(np.median(ys - slope * xs))
+    floor = max(float(ys.min()), 1e-9) * 1e-3
+    return [(int(m), max(intercept + slope * m, floor)) for m in xs]
+
+
 def _calibrate(target: Any, cache: Any, max_nodes: int, ragged: bool) -> _CostCurve:
-    """Measures a :class:`_CostCurve` on the live cache (every pass rolled back)."""
+    """Measures a :class:`_CostCurve` on the live cache (every pass rolled back): the fastest of
+    interleaved rounds per size, then a monotone line through those (:func:`_fit_line`)."""
     batch = int(cache.batch_size)
     lengths = cache.lengths.to("cpu", torch.int64).clone()
     room = int(cache.max_length) - int(lengths.max())
     top = max(1, min(max_nodes, room))
-    points: list[tuple[int, float]] = []
     sizes = sorted({m for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if m < batch * top})
     sizes.append(batch * top)
-    for m in sizes if ragged else sorted({batch * n for n in (1, 2, 4, 8, 16, top) if n <= top}):
-        width = -(-m // batch)
+    if not ragged:
+        sizes = sorted({batch * n for n in (1, 2, 4, 8, 16, top) if n <= top})
+    shapes = []
+    for m in sizes:
         # Balanced rows: m real tokens spread as evenly as the width allows.
         nodes = torch.full((batch,), m // batch, dtype=torch.int64)
         nodes[: m % batch] += 1
-        points.append((m, _time_pass(target, cache, nodes, width, ragged, lengths)))
-    # A pass never costs less for more tokens: timing noise (a shared machine) must not make
-    # the curve dip, or the choice would chase the dips.
-    for j in range(1, len(points)):
-        points[j] = (points[j][0], max(points[j][1], points[j - 1][1]))
-    pad = 0.0
-    if ragged and top > 1:
+        shapes.append((nodes, -(-m // batch)))
+    ones = torch.ones(batch, dtype=torch.int64)
+    padded = ragged and top > 1
+    if padded:
         # One real token per row at width `top` against width 1: the padded attention rows.
-        ones = torch.ones(batch, dtype=torch.int64)
-        narrow = _time_pass(target, cache, ones, 1, ragged, lengths)
-        wide = _time_pass(target, cache, ones, top, ragged, lengths)
+        shapes += [(ones, 1), (ones, top)]
+    times = _time_passes(target, cache, shapes, ragged, lengths)
+    points = _fit_line(list(zip(sizes, times[: len(sizes)])))
+    pad = 0.0
+    if padded:
+        narrow, wide = times[-2], times[-1]
         pad = max(0.0, (wide - narrow) / (batch * (top - 1)))
     return _CostCurve(batch, points, pad, ragged)
 
@@ -527,7 +573,8 @@ class CostAwareBudget:
     rows, best first (each row's nodes in order, so kept sets stay trees), are cut where
     ``(rows + sum g) / (cost(rows + nodes, width) + overhead)`` peaks. ``cost`` is the target's
     forward time as a function of the real tokens of the pass and its padded width, calibrated
-    once per target and batch size on the live cache (rolled-back passes) and scaled online by
+    once per target and batch size on the live cache (rolled-back passes in interleaved rounds,
+    a robust line through the fastest pass of each size) and scaled online by
     the ratio of measured to predicted forward times, so a busier machine moves the curve; with
     a target that skips padding (``num_nodes``, as :class:`~specdecode.models.Transformer`)
     rows with poor drafts and finished rows cost nothing, so good rows keep long drafts. The
