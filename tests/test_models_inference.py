@@ -569,3 +569,57 @@ def test_keep_rows_drops_and_reorders_rows():
         with pytest.raises(err, match="rows"):
             cache.keep_rows(bad)
     assert cache.batch_size == 2
+
+
+def test_prepacked_products_match_torch_mm():
+    from specdecode.models import transformer as tr
+
+    if not tr._onednn_usable(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no usable oneDNN")
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(300, 64, generator=g)  # [out, in], as nn.Linear stores it
+    packed = tr._pack_weight(w)
+    assert packed is not None
+    w_t = w.t().contiguous()
+    for rows in (0, 1, 2, 3, 17, 70):
+        x = torch.randn(rows, 64, generator=g)
+        got = tr._mm_rows(x, w_t, packed)
+        assert got.shape == (rows, 300)
+        torch.testing.assert_close(got, x @ w_t, rtol=1e-5, atol=1e-5)
+    # A non-contiguous input (a column slice) is read correctly too.
+    x = torch.randn(5, 128, generator=g)[:, ::2]
+    torch.testing.assert_close(tr._mm_rows(x, w_t, packed), x @ w_t, rtol=1e-5, atol=1e-5)
+    # Only float32 CPU weights are packed; others keep torch.mm.
+    assert tr._pack_weight(w.double()) is None
+    assert tr._mm_rows(x.double(), w_t.double(), None).dtype == torch.float64
+
+
+def test_forward_with_and_without_prepacked_weights_agree(monkeypatch):
+    from specdecode.models import transformer as tr
+
+    model = Transformer(ModelConfig(**{**BASE, "model_type": "llama"})).eval()
+    fast = model._inference_weights()
+    if tr._onednn_usable(torch.device("cpu"), torch.float32):
+        assert fast.head_p is not None
+        assert all(layer.gate_up_p is not None for layer in fast.layers)
+    parents = torch.tensor([TREE], dtype=torch.int32).expand(2, -1).contiguous()
+    mask = ops.tree_info(parents).mask
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(12))
+    tree = torch.randint(0, V, (2, len(TREE)), generator=torch.Generator().manual_seed(13))
+    depth = ops.tree_info(parents).depth.long()
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = model.new_cache(2, 32)
+        pre = model.forward(ids, torch.arange(9).expand(2, -1), cache)
+        one = model.forward(tree[:, :1], torch.full((2, 1), 9), cache)
+        cache.truncate(9)
+        logits = model.forward(tree, 9 + depth, cache, tree_mask=mask)
+        return pre, one, logits
+
+    packed = run()
+    monkeypatch.setattr(tr, "_pack_weight", lambda w: None)
+    model._fast = None
+    plain = run()
+    assert model._inference_weights().head_p is None
+    for a, b in zip(packed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -166,6 +166,54 @@ class _LayerWeights(NamedTuple):
     ln2: torch.Tensor
     gate_up_t: torch.Tensor  # [H, 2 M]: gate_proj columns, then up_proj columns
     down_t: torch.Tensor  # [M, H]
+    gate_up_p: Optional[torch.Tensor]  # gate/up prepacked for oneDNN (_pack_weight) or None
+
+
+def _onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether prepacked oneDNN products can be used: float32 on a CPU build with oneDNN."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    )
+
+
+def _pack_weight(w: torch.Tensor) -> Optional[torch.Tensor]:
+    """``w`` (``[out, in]``, float32, CPU) reordered once for oneDNN, or None where oneDNN is not
+    usable or does not reproduce ``x @ w.T`` on a probe (then callers keep ``torch.mm``).
+
+    Why: ``torch.mm(x, w_t)`` with a few rows (a draft tree's 2 to 64 tokens) goes through a
+    BLAS gemm that repacks the whole weight on every call. For the output head of a small
+    model (``[hidden, vocab]``, megabytes) that repacking costs more than the arithmetic: on a
+    2-vCPU AMD EPYC at 17 rows x ``[256, 8192]``, 2.5 ms against 1.0 ms with a weight packed
+    once (``bench/RESULTS.md``, ``## e2e``). A single row goes through a matrix-vector
+    product that reads the weight as it is, so it keeps ``torch.mm`` (see :func:`_mm_rows`).
+    """
+    if not _onednn_usable(w.device, w.dtype):
+        return None
+    w = w.detach().contiguous()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+        probe = torch.linspace(-1.0, 1.0, 3 * w.shape[1], dtype=w.dtype).view(3, w.shape[1])
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [None], "")
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    want = torch.mm(probe, w.t())
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+        return None
+    return packed
+
+
+def _mm_rows(x: torch.Tensor, w_t: torch.Tensor, packed: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ w_t`` (``x`` float ``[M, in]``, ``w_t`` ``[in, out]``): through the prepacked oneDNN
+    weight when there is one and ``M >= 2``, else ``torch.mm``. Both compute the same product;
+    they may differ in the last bits of float32 rounding (another summation order), as any two
+    BLAS kernels do."""
+    if packed is None or x.shape[0] < 2:
+        return torch.mm(x, w_t)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [None], "")
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:
@@ -184,7 +232,9 @@ class _InferenceWeights:
       few rows streams the weight once, while ``F.linear``'s ``[out, in]`` layout was measured
       at 1.2x to 2x slower for 1 to 16 rows on this project's small models (see
       ``bench/RESULTS.md``, ``## e2e``);
-    * RoPE cos/sin are tables over every position, indexed instead of recomputed.
+    * RoPE cos/sin are tables over every position, indexed instead of recomputed;
+    * the head and the gate/up products (the widest) are also kept prepacked for oneDNN
+      (:func:`_pack_weight`), used for passes of two or more tokens (:func:`_mm_rows`).
 
     The copies cost one more copy of the weights in memory. Invariant: they equal the parameters
     they were built from. :meth:`matches` compares the storage and version counter of every
@@ -204,6 +254,9 @@ class _InferenceWeights:
             self.norm = model.model.norm.weight.detach()
             self.embed = model.model.embed_tokens.weight.detach()
             self.head_t = _t(model.lm_head.weight)
+            # The head and gate/up products are the widest of a pass: prepacked for oneDNN
+            # (None where it is not usable). The narrower ones gain nothing (measured).
+            self.head_p = _pack_weight(model.lm_head.weight)
             # RoPE tables for every position the model supports, computed exactly as _rope does
             # (float32 angles from integer positions, then cast), so indexing them gives the same
             # numbers. sin_signed has its first half negated: rotate_half(x) * sin equals
@@ -229,6 +282,7 @@ class _InferenceWeights:
             ln2=layer.post_attention_layernorm.weight.detach(),
             gate_up_t=_t(torch.cat((m.gate_proj.weight, m.up_proj.weight))),
             down_t=_t(m.down_proj.weight),
+            gate_up_p=_pack_weight(torch.cat((m.gate_proj.weight, m.up_proj.weight))),
         )
 
     def _key(self) -> tuple:
@@ -676,7 +730,7 @@ class Transformer(nn.Module):
             if sel is not None:
                 out = out.index_select(0, sel)
             x = x + _mm(out, w.o_t, w.o_b)
-            gate_up = torch.mm(_rms_norm(x, w.ln2, eps), w.gate_up_t)
+            gate_up = _mm_rows(_rms_norm(x, w.ln2, eps), w.gate_up_t, w.gate_up_p)
             m = gate_up.shape[1] // 2
             x = x + torch.mm(F.silu(gate_up[:, :m]) * gate_up[:, m:], w.down_t)
             if i + 1 in wanted_set and i + 1 < last:
@@ -684,7 +738,7 @@ class Transformer(nn.Module):
         x = _rms_norm(x, fast.norm, eps)
         if last in wanted_set:
             hidden[last] = x
-        logits = torch.mm(x, fast.head_t)
+        logits = _mm_rows(x, fast.head_t, fast.head_p)
         return _unpack(logits, sel, n).view(batch, t, -1), [
             _unpack(hidden[i], sel, n).view(batch, t, -1) for i in wanted
         ]
