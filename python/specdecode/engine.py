@@ -655,10 +655,13 @@ class CostAwareBudget:
         acc, off = self._row_acc.get(row, 0.0), self._row_off.get(row, 0.0)
         return (acc + w * first) / (off + w)
 
-    def expected_gains(self, rows: Sequence[int], depth: torch.Tensor) -> np.ndarray:
+    def expected_gains(
+        self, rows: Sequence[int], depth: Union[torch.Tensor, np.ndarray]
+    ) -> np.ndarray:
         """float64 ``[R, N]``: expected tokens each node adds (0 for the root and padding),
-        made non-increasing along each row so that best-first order keeps row prefixes."""
-        d = depth.to(torch.int64).numpy()
+        made non-increasing along each row so that best-first order keeps row prefixes.
+        ``depth``: int ``[R, N]`` node depths (-1: padding), a CPU tensor or numpy array."""
+        d = np.asarray(depth, dtype=np.int64)
         deepest = int(d.max()) if d.size else 0
         rates = self._rates(max(deepest, 1))
         # along[j] = c(2) * ... * c(j) for j >= 1 (1 at depth 1), 0 at depth 0 and padding.
@@ -691,8 +694,8 @@ class CostAwareBudget:
         target: Any,
         cache: Any,
         rows: Sequence[int],
-        num_nodes: torch.Tensor,
-        depth: torch.Tensor,
+        num_nodes: Union[torch.Tensor, np.ndarray],
+        depth: Union[torch.Tensor, np.ndarray],
         ragged: bool,
         limit: Optional[int] = None,
     ) -> torch.Tensor:
@@ -704,11 +707,11 @@ class CostAwareBudget:
             For the calibration of the cost curve (rolled-back passes on the live cache).
         rows : sequence of int
             The running rows (batch indices).
-        num_nodes : torch.Tensor
-            int ``[R]``: nodes of each running row's draft (root included).
-        depth : torch.Tensor
-            int ``[R, N]``: node depths of those drafts (-1: padding or a node that may not be
-            scored).
+        num_nodes : torch.Tensor or numpy.ndarray
+            int ``[R]`` on the CPU: nodes of each running row's draft (root included).
+        depth : torch.Tensor or numpy.ndarray
+            int ``[R, N]`` on the CPU: node depths of those drafts (-1: padding or a node that
+            may not be scored).
         ragged : bool
             Whether the target skips padding (then a pass costs its real tokens).
         limit : int, optional
@@ -722,6 +725,8 @@ class CostAwareBudget:
             always), ``1 <= .. <= num_nodes``.
         """
         batch = int(cache.batch_size)
+        depth = np.asarray(depth, dtype=np.int64)
+        num_nodes = np.asarray(num_nodes, dtype=np.int64)
         r, n = depth.shape
         if self.cost is None and (self._curve is None or self._curve.batch != batch):
             try:
@@ -734,8 +739,8 @@ class CostAwareBudget:
                 curve = per_target[batch] = _calibrate(target, cache, top, ragged)
             self._curve = curve
         gains = self.expected_gains(rows, depth)
-        valid = torch.arange(n).unsqueeze(0) < num_nodes.to(torch.int64).unsqueeze(1)
-        gains[~valid.numpy() | (depth.numpy() < 0)] = -1.0
+        valid = np.arange(n)[None, :] < num_nodes[:, None]
+        gains[~valid | (depth < 0)] = -1.0
         gains[:, 0] = -1.0
         flat = gains.reshape(-1)
         order = np.argsort(-flat, kind="stable")
@@ -1126,11 +1131,15 @@ class SpeculativeDecoder:
         if per_row:
             cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
 
-            def choose(num_nodes: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-                limits = torch.ones(num_nodes.shape[0], dtype=torch.int32)
-                limits[idx] = self.budget.allocate(
-                    self.target, cache, active, num_nodes[idx], depth[idx], self._ragged, cap
-                )
+            def choose(num_nodes: np.ndarray, depth: np.ndarray) -> np.ndarray:
+                if len(act) == num_nodes.shape[0]:  # every cache row is running
+                    return self.budget.allocate(
+                        self.target, cache, active, num_nodes, depth, self._ragged, cap
+                    ).numpy()
+                limits = np.ones(num_nodes.shape[0], dtype=np.int32)
+                limits[act] = self.budget.allocate(
+                    self.target, cache, active, num_nodes[act], depth[act], self._ragged, cap
+                ).numpy()
                 return limits
 
         tree = self._draft(state, cache, act, budget, choose)
@@ -1205,7 +1214,7 @@ class SpeculativeDecoder:
         cache: Any,
         act: list[int],
         budget: int,
-        per_row: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+        per_row: Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]] = None,
     ) -> _Tree:
         """The drafter's trees for the running rows (cache positions ``act``), root-only trees
         for the finished ones still in the cache, pruned to what this step may use (at most
@@ -1215,24 +1224,36 @@ class SpeculativeDecoder:
         batch = len(state.rows)
         active = [state.rows[i] for i in act]
         proposal = self.drafter.propose(active)
-        p_tokens = torch.as_tensor(proposal.tokens).to("cpu", torch.int32)
-        p_parents = torch.as_tensor(proposal.parents).to("cpu", torch.int32)
-        p_num = torch.as_tensor(proposal.num_nodes).to("cpu", torch.int32)
-        if p_tokens.dim() != 2 or p_tokens.shape[0] != len(active):
+        # The trees are small ([B, N] with N <= a few dozen): their bookkeeping runs on numpy
+        # arrays, whose operations cost a fraction of a torch op's dispatch at this size.
+        p_tokens = _host_int32(proposal.tokens)
+        p_parents = _host_int32(proposal.parents)
+        p_num = _host_int32(proposal.num_nodes)
+        if p_tokens.ndim != 2 or p_tokens.shape[0] != len(active):
             raise ValueError(
                 f"drafter: propose() returned tokens of shape {list(p_tokens.shape)}, expected "
                 f"[{len(active)}, N]"
             )
         width = p_tokens.shape[1]
-        tokens = torch.full((batch, width), -1, dtype=torch.int32)
-        parents = torch.full((batch, width), -1, dtype=torch.int32)
-        num_nodes = torch.ones(batch, dtype=torch.int32)
-        idx = torch.tensor(act, dtype=torch.int64)
-        tokens[idx] = p_tokens
-        parents[idx] = p_parents
-        num_nodes[idx] = p_num
+        if p_parents.shape != p_tokens.shape or p_num.shape != (len(active),):
+            raise ValueError(
+                f"drafter: propose() returned parents of shape {list(p_parents.shape)} and "
+                f"num_nodes of shape {list(p_num.shape)} for tokens of shape "
+                f"{list(p_tokens.shape)}"
+            )
+        if len(act) == batch:  # every cache row is running (always at batch 1)
+            tokens = p_tokens.copy()
+            parents = np.ascontiguousarray(p_parents)
+            num_nodes = p_num.copy()
+        else:
+            tokens = np.full((batch, width), -1, dtype=np.int32)
+            parents = np.full((batch, width), -1, dtype=np.int32)
+            num_nodes = np.ones(batch, dtype=np.int32)
+            tokens[act] = p_tokens
+            parents[act] = p_parents
+            num_nodes[act] = p_num
         # Node 0 is by definition the last committed token, whatever the drafter put there.
-        tokens[:, 0] = torch.tensor([state.tokens[b][-1] for b in state.rows], dtype=torch.int32)
+        tokens[:, 0] = [state.tokens[b][-1] for b in state.rows]
         probs = getattr(proposal, "draft_probs", None)
         full_probs = None
         if probs is not None:
@@ -1244,26 +1265,27 @@ class SpeculativeDecoder:
                     f"[{len(active)}, {width}, {vocab}]"
                 )
             full_probs = torch.zeros((batch, width, vocab), dtype=probs.dtype)
-            full_probs[idx] = probs.cpu()
+            full_probs[torch.tensor(act, dtype=torch.int64)] = probs.cpu()
         # Depth limit: a step emits at most depth + 1 tokens, so drafting past the remaining
-        # budget is wasted (and could run past the target's max length).
-        depth_limit = torch.zeros(batch, dtype=torch.int32)
-        for i, b in zip(act, active):
-            depth_limit[i] = state.max_new - state.generated(b) - 1
+        # budget is wasted (and could run past the target's max length). 0 for finished rows.
+        depth_limit = np.zeros(batch, dtype=np.int32)
+        depth_limit[act] = [state.max_new - state.generated(b) - 1 for b in active]
         room = cache.max_length - int(cache.lengths.max())
         limit = min(budget, room)
         info = ops.tree_info(parents)
-        node_limit: Union[int, torch.Tensor] = limit
+        node_limit: Union[int, np.ndarray] = limit
         if per_row is not None:
-            index = torch.arange(width).unsqueeze(0)
+            index = np.arange(width)[None, :]
+            depth = info.depth.numpy()
             fits = (
-                (index < num_nodes.unsqueeze(1))
-                & (info.depth >= 0)
-                & (info.depth <= depth_limit.unsqueeze(1))
+                (index < num_nodes[:, None])
+                & (depth >= 0)
+                & (depth <= depth_limit[:, None])
                 & (index < max(limit, 1))
             )
-            depth = torch.where(fits, info.depth, -1)
-            node_limit = per_row(fits.sum(dim=1).to(torch.int32), depth).clamp(max=max(limit, 1))
+            depth = np.where(fits, depth, -1).astype(np.int32)
+            chosen = per_row(fits.sum(axis=1).astype(np.int32), depth)
+            node_limit = np.minimum(np.asarray(chosen, dtype=np.int64), max(limit, 1))
         return _prune(tokens, parents, num_nodes, full_probs, depth_limit, node_limit, info)
 
     def _tree_input(self, cache: Any, tree: _Tree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1366,13 +1388,21 @@ class SpeculativeDecoder:
             self.drafter.release(finished)
 
 
+def _host_int32(x: Any) -> np.ndarray:
+    """A drafter's int output (numpy array, torch tensor on any device, nested list) as a
+    C-contiguous int32 numpy array on the host."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x, dtype=np.int32)
+    return np.ascontiguousarray(torch.as_tensor(x).to("cpu", torch.int32).numpy())
+
+
 def _prune(
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    num_nodes: torch.Tensor,
+    tokens: Union[torch.Tensor, np.ndarray],
+    parents: Union[torch.Tensor, np.ndarray],
+    num_nodes: Union[torch.Tensor, np.ndarray],
     probs: Optional[torch.Tensor],
-    depth_limit: torch.Tensor,
-    node_limit: Union[int, torch.Tensor],
+    depth_limit: Union[torch.Tensor, np.ndarray],
+    node_limit: Union[int, torch.Tensor, np.ndarray],
     info: Optional[ops.TreeInfo] = None,
 ) -> _Tree:
     """Keeps the nodes of each tree within its depth limit and the first ``node_limit`` nodes
@@ -1380,38 +1410,59 @@ def _prune(
 
     Both conditions keep a set closed under ancestors (a parent is shallower than and precedes
     its children), so the kept nodes, renumbered in their original order, form a valid tree.
+    The index arithmetic runs on numpy (int32 ``[B, N]`` arrays; torch CPU tensors are read
+    without a copy); the returned :class:`_Tree` holds torch tensors.
     """
+    tokens_np = np.asarray(tokens, dtype=np.int32)
+    parents_np = np.ascontiguousarray(parents, dtype=np.int32)
+    num_np = np.asarray(num_nodes, dtype=np.int32)
     if info is None:
-        info = ops.tree_info(parents)
-    n = tokens.shape[1]
-    index = torch.arange(n).unsqueeze(0)
-    if isinstance(node_limit, torch.Tensor):
-        within = index < node_limit.clamp(min=1).unsqueeze(1)
+        info = ops.tree_info(parents_np)
+    depth = info.depth.numpy()
+    n = tokens_np.shape[1]
+    index = np.arange(n)[None, :]
+    if isinstance(node_limit, (torch.Tensor, np.ndarray)):
+        within = index < np.maximum(np.asarray(node_limit, dtype=np.int64), 1)[:, None]
     else:
-        within = index < max(node_limit, 1)
+        within = index < max(int(node_limit), 1)
     keep = (
-        (index < num_nodes.unsqueeze(1))
-        & (info.depth >= 0)
-        & (info.depth <= depth_limit.unsqueeze(1))
+        (index < num_np[:, None])
+        & (depth >= 0)
+        & (depth <= np.asarray(depth_limit, dtype=np.int64)[:, None])
         & within
     )
-    if bool(keep.all()):
-        return _Tree(tokens, parents, num_nodes, probs, info.depth, info.mask)
-    width = int(keep.sum(dim=1).max())
-    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]
-    kept = keep.gather(1, order)
-    new_index = torch.cumsum(keep.to(torch.int64), dim=1) - 1
-    old_parent = parents.gather(1, order).to(torch.int64)
-    none = torch.full_like(old_parent, -1)
-    new_parent = torch.where(old_parent >= 0, new_index.gather(1, old_parent.clamp(min=0)), none)
-    new_parents = torch.where(kept, new_parent, torch.full_like(new_parent, -1)).to(torch.int32)
-    pad = torch.full(order.shape, -1, dtype=torch.int32)
-    new_tokens = torch.where(kept, tokens.gather(1, order), pad)
+    if keep.all():
+        return _Tree(
+            torch.from_numpy(tokens_np),
+            torch.from_numpy(parents_np),
+            torch.from_numpy(num_np),
+            probs,
+            info.depth,
+            info.mask,
+        )
+    counts = keep.sum(axis=1)
+    width = int(counts.max())
+    # Kept nodes first, in their original order (a stable sort of "not kept").
+    order = np.argsort(~keep, axis=1, kind="stable")[:, :width]
+    kept = np.take_along_axis(keep, order, axis=1)
+    new_index = np.cumsum(keep, axis=1) - 1  # new index of each kept node
+    old_parent = np.take_along_axis(parents_np, order, axis=1).astype(np.int64)
+    new_parent = np.take_along_axis(new_index, np.maximum(old_parent, 0), axis=1)
+    new_parents = np.where(kept & (old_parent >= 0), new_parent, -1).astype(np.int32)
+    new_tokens = np.where(kept, np.take_along_axis(tokens_np, order, axis=1), -1).astype(np.int32)
     new_probs = None
     if probs is not None:
-        new_probs = probs.gather(1, order.unsqueeze(-1).expand(-1, -1, probs.shape[-1]))
-    info = ops.tree_info(new_parents.contiguous())
-    return _Tree(new_tokens, new_parents, info.num_nodes, new_probs, info.depth, info.mask)
+        gather = torch.from_numpy(order).unsqueeze(-1).expand(-1, -1, probs.shape[-1])
+        new_probs = probs.gather(1, gather)
+    info = ops.tree_info(new_parents)
+    return _Tree(
+        torch.from_numpy(new_tokens),
+        torch.from_numpy(new_parents),
+        info.num_nodes,
+        new_probs,
+        info.depth,
+        info.mask,
+    )
 
 
 class _Progress:
