@@ -778,3 +778,97 @@ def test_calibration_interleaves_rounds_and_survives_bursts():
     # budget's choice depends on, and a burst (20 ms) on any used point would swamp it.
     assert 1e-4 < slope < 4e-4
     assert 2e-3 <= costs[0] < 8e-3
+
+
+def _random_trees(rng: np.random.Generator, batch: int, width: int) -> tuple[np.ndarray, ...]:
+    """Random valid trees in the tree format: parents before children, -1 padding at the end."""
+    parents = np.full((batch, width), -1, dtype=np.int32)
+    tokens = np.full((batch, width), -1, dtype=np.int32)
+    num = rng.integers(1, width + 1, size=batch).astype(np.int32)
+    for b in range(batch):
+        for i in range(1, int(num[b])):
+            parents[b, i] = rng.integers(0, i)
+        tokens[b, : num[b]] = rng.integers(0, V, size=int(num[b]))
+    return tokens, parents, num
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prune_keeps_the_ancestor_closed_prefix_and_renumbers(seed):
+    from specdecode.engine import _prune
+
+    rng = np.random.default_rng(seed)
+    batch, width = 5, 12
+    tokens, parents, num = _random_trees(rng, batch, width)
+    depth = specdecode.ops.tree_info(parents).depth.numpy()
+    depth_limit = rng.integers(0, 6, size=batch).astype(np.int32)
+    per_row = rng.integers(0, width + 2, size=batch)
+    probs = torch.rand((batch, width, 4), generator=torch.Generator().manual_seed(seed))
+    for node_limit in (per_row, torch.from_numpy(per_row), int(per_row[0]), width):
+        # numpy and torch inputs give the same trees
+        for as_torch in (False, True):
+            args = (tokens, parents, num, probs, depth_limit, node_limit)
+            if as_torch:
+                args = tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args)
+            tree = _prune(*args)
+            limits = np.broadcast_to(np.asarray(node_limit), (batch,))
+            for b in range(batch):
+                kept = [
+                    i
+                    for i in range(width)
+                    if i < num[b]
+                    and 0 <= depth[b, i] <= depth_limit[b]
+                    and i < max(int(limits[b]), 1)
+                ]
+                n = len(kept)
+                assert int(tree.num_nodes[b]) == n
+                assert tree.tokens[b, :n].tolist() == tokens[b, kept].tolist()
+                assert (tree.tokens[b, n:] == -1).all()
+                want_parents = [-1] + [kept.index(int(parents[b, i])) for i in kept[1:]]
+                assert tree.parents[b, :n].tolist() == want_parents
+                assert (tree.parents[b, n:] == -1).all()
+                assert tree.depth[b, :n].tolist() == depth[b, kept].tolist()
+                if tree.draft_probs is not None:
+                    torch.testing.assert_close(tree.draft_probs[b, :n], probs[b, kept])
+            info = specdecode.ops.tree_info(tree.parents.contiguous())
+            assert torch.equal(info.mask, tree.mask)
+            assert tree.tokens.dtype == tree.parents.dtype == torch.int32
+
+
+@pytest.mark.parametrize("budget", [None, "cost"])
+def test_finished_rows_kept_in_the_cache_get_root_only_trees(
+    target, references, monkeypatch, budget
+):
+    """With a cache that keeps finished rows (as one without keep_rows does), the running rows
+    of different lengths get their drafts, the finished ones a root-only tree, and the outputs
+    are still the target's own."""
+    from specdecode.engine import CostAwareBudget
+
+    prompts, expected = references
+    stop = {expected[1][2], expected[4][5]}
+    monkeypatch.setattr(SpeculativeDecoder, "_drop_finished", lambda self, state, cache: None)
+    trees = []
+    original = SpeculativeDecoder._draft
+
+    def spy(self, state, cache, act, budget, per_row=None):
+        tree = original(self, state, cache, act, budget, per_row)
+        trees.append((list(act), len(state.rows), tree))
+        return tree
+
+    monkeypatch.setattr(SpeculativeDecoder, "_draft", spy)
+    decoder = SpeculativeDecoder(
+        target,
+        CachebackDrafter(max_nodes=6, max_depth=4, max_sequences=8),
+        budget=CostAwareBudget(cost=lambda b, m, t: 1.0 + 0.05 * m) if budget else None,
+    )
+    out = decoder.generate(prompts, max_new_tokens=16, stop_token_ids=stop)
+    for b, row in enumerate(expected):
+        cut = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
+        assert out.sequences[b] == row[:cut]
+    partial = [(act, rows, tree) for act, rows, tree in trees if len(act) < rows]
+    assert partial  # some steps ran with finished rows in the cache
+    for act, rows, tree in partial:
+        assert tree.tokens.shape[0] == rows == 8
+        for i in range(rows):
+            if i not in act:
+                assert int(tree.num_nodes[i]) == 1
+                assert tree.tokens[i, 1:].eq(-1).all()
