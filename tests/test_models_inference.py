@@ -623,3 +623,24 @@ def test_forward_with_and_without_prepacked_weights_agree(monkeypatch):
     assert model._inference_weights().head_p is None
     for a, b in zip(packed, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_padding_rows_of_logits_and_hidden_states_are_zero():
+    model = Transformer(ModelConfig(**{**BASE, "model_type": "llama"})).eval()
+    cache = model.new_cache(3, 32)
+    ids = torch.randint(0, V, (3, 6), generator=torch.Generator().manual_seed(21))
+    real = torch.tensor([6, 2, 0])
+    # A reused output buffer must not leak: run a full pass first, then the ragged one.
+    model.forward(ids, torch.arange(6).expand(3, -1), cache)
+    cache.truncate(0)
+    logits, hidden = model.forward(
+        ids, torch.arange(6).expand(3, -1), cache, output_hidden=[1, -1], num_nodes=real
+    )
+    for b, k in enumerate(real.tolist()):
+        assert bool((logits[b, k:] == 0).all())
+        assert all(bool((h[b, k:] == 0).all()) for h in hidden)
+        if k:
+            assert bool((logits[b, :k] != 0).any())
+    full = model.new_cache(1, 32)
+    want = model.forward(ids[:1, :6], torch.arange(6).unsqueeze(0), full)
+    torch.testing.assert_close(logits[0], want[0], rtol=1e-5, atol=1e-5)

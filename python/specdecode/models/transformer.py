@@ -297,12 +297,22 @@ def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor]) -> tor
     return out if bias is None else out + bias
 
 
-def _unpack(x: torch.Tensor, sel: Optional[torch.Tensor], n: int) -> torch.Tensor:
-    """``[M, C]`` rows of the real tokens -> ``[n, C]`` with zeros at the padding tokens."""
+def _unpack(
+    x: torch.Tensor, sel: Optional[torch.Tensor], n: int, pad: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``[M, C]`` rows of the real tokens -> ``[n, C]`` with zeros at the padding tokens.
+
+    ``pad``: the flat indices not in ``sel`` (padding). With it only those rows are zeroed and
+    the rest written once; the logits of a batch of trees are megabytes, so filling all of them
+    with zeros first was a visible share of a ragged batch-8 pass."""
     if sel is None:
         return x
-    out = torch.zeros((n, x.shape[1]), dtype=x.dtype, device=x.device)
-    return out.index_copy_(0, sel, x)
+    if pad is None:
+        out = torch.zeros((n, x.shape[1]), dtype=x.dtype, device=x.device)
+        return out.index_copy_(0, sel, x)
+    out = torch.empty((n, x.shape[1]), dtype=x.dtype, device=x.device)
+    out.index_copy_(0, sel, x)
+    return out.index_fill_(0, pad, 0)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -638,11 +648,11 @@ class Transformer(nn.Module):
         eps = cfg.rms_norm_eps
         n = batch * t
         sel = None  # flat indices (b * T + i) of the real tokens, when some are padding
+        pad = None  # the other flat indices (padding tokens)
         if real is not None:
-            sel = torch.nonzero(
-                (torch.arange(t).unsqueeze(0) < real.unsqueeze(1)).reshape(n)
-            ).squeeze(1)
-            sel = sel.to(input_ids.device)
+            is_real = (torch.arange(t).unsqueeze(0) < real.unsqueeze(1)).reshape(n)
+            sel = torch.nonzero(is_real).squeeze(1).to(input_ids.device)
+            pad = torch.nonzero(~is_real).squeeze(1).to(input_ids.device)
         # Rows are (sequence, token) pairs flattened: every matrix product is one 2-D mm.
         flat_ids = input_ids.reshape(n)
         flat_pos = positions.reshape(n)
@@ -739,8 +749,8 @@ class Transformer(nn.Module):
         if last in wanted_set:
             hidden[last] = x
         logits = _mm_rows(x, fast.head_t, fast.head_p)
-        return _unpack(logits, sel, n).view(batch, t, -1), [
-            _unpack(hidden[i], sel, n).view(batch, t, -1) for i in wanted
+        return _unpack(logits, sel, n, pad).view(batch, t, -1), [
+            _unpack(hidden[i], sel, n, pad).view(batch, t, -1) for i in wanted
         ]
 
     def _forward_chunked(
