@@ -13,7 +13,9 @@ tensor with the same thread count) and a practical fp32 peak (a 4096^3 matmul), 
 GB/s of KV that must be read (2 * B * (S + T) * Hkv * D * itemsize) and FLOP/s
 (4 * B * T * Hq * (S + T) * D) against them. For the memory-bound cases (T <= 4) the bandwidth is
 measured again interleaved with the op (alternating calls, best of each), so both see the same
-load from other processes on a shared machine; the "% bw" column uses that figure.
+load from other processes on a shared machine; the "% bw" column uses that figure. A pure read of
+the op's own K and V tensors (torch ``sum``) is timed in the same rotation and reported next to
+it: the ceiling for those exact buffers.
 
 Run under the shared lock so benchmarks never overlap:
     flock /tmp/specdecode-bench.lock python bench/bench_attention.py [--quick] [--device cuda]
@@ -52,29 +54,38 @@ def best_time(fn, min_reps: int = 3, budget_s: float = 1.0, sync=None) -> float:
     return best
 
 
-def best_pair(fn_a, fn_b, reps: int = 12, sync=None) -> tuple[float, float]:
-    """Best times of two functions run alternately, so both see the same machine load.
+def best_alternating(fns, reps: int = 12, sync=None) -> list[float]:
+    """Best times of several functions run in turn, so all see the same machine load.
 
     Each timed call starts after a short pause: torch's OpenMP workers keep spinning for a while
-    after a parallel region, and on a 2-core machine a call timed right after the other
-    function's would share the cores with those spinning threads.
+    after a parallel region, and on a 2-core machine a call timed right after another function's
+    would share the cores with those spinning threads.
     """
-    best_a = best_b = float("inf")
-    fn_a()
-    fn_b()
+    best = [float("inf")] * len(fns)
+    for fn in fns:
+        fn()
     for _ in range(reps):
-        for fn, which in ((fn_a, 0), (fn_b, 1)):
+        for i, fn in enumerate(fns):
             time.sleep(0.05)
             t0 = time.perf_counter()
             fn()
             if sync:
                 sync()
-            dt = time.perf_counter() - t0
-            if which == 0:
-                best_a = min(best_a, dt)
-            else:
-                best_b = min(best_b, dt)
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def best_pair(fn_a, fn_b, reps: int = 12, sync=None) -> tuple[float, float]:
+    """Best times of two functions run alternately (see best_alternating)."""
+    best_a, best_b = best_alternating([fn_a, fn_b], reps=reps, sync=sync)
     return best_a, best_b
+
+
+def kv_read(k: torch.Tensor, v: torch.Tensor):
+    """A pure read of exactly the op's KV bytes: the same two tensors (two streams, the same
+    pages) summed by torch with the same thread count. Not the kernel's exact split of the work
+    between threads, but the same memory; its GB/s is a ceiling measured on the same buffers."""
+    return lambda: (k.sum(), v.sum())
 
 
 def machine_figures(device: torch.device, sync) -> tuple[float, float]:
@@ -145,8 +156,11 @@ def main() -> None:
     print(f"# measured read bandwidth {bw:.1f} GB/s, fp32 matmul {peak:.0f} GFLOP/s")
     print()
     if args.decode_sweep:
-        print("| B | S | dtype | ours ms | ours GB/s | read GB/s (interleaved) | % |")
-        print("|---|---|---|---|---|---|---|")
+        print(
+            "| B | S | dtype | ours ms | ours GB/s | read GB/s (interleaved) | % "
+            "| KV-read GB/s (interleaved) | % of KV read |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
         for dtype in (torch.float32, torch.bfloat16):
             for s in (4096, 16384):
                 for batch in (1, 2, 4, 8):
@@ -169,13 +183,17 @@ def main() -> None:
 
 def decode_case(batch, s, dtype, device, sync, probe) -> str:
     q, k, v, lens, _ = make(batch, s, 1, dtype, device)
-    t_ours, t_sum = best_pair(lambda: ops.tree_attention(q, k, v, lens), probe.sum, sync=sync)
+    t_ours, t_sum, t_kv = best_alternating(
+        [lambda: ops.tree_attention(q, k, v, lens), probe.sum, kv_read(k, v)], sync=sync
+    )
     bw = probe.numel() * 4 / t_sum / 1e9
-    gbs = 2 * k.numel() * k.element_size() / t_ours / 1e9
+    kv_bytes = 2 * k.numel() * k.element_size()
+    gbs = kv_bytes / t_ours / 1e9
+    kv_bw = kv_bytes / t_kv / 1e9
     name = str(dtype).replace("torch.", "")
     return (
         f"| {batch} | {s} | {name} | {t_ours * 1e3:.3f} | {gbs:.1f} | {bw:.1f} | "
-        f"{100 * gbs / bw:.0f}% |"
+        f"{100 * gbs / bw:.0f}% | {kv_bw:.1f} | {100 * gbs / kv_bw:.0f}% |"
     )
 
 
@@ -193,16 +211,20 @@ def run_case(batch, s, t, dtype, device, sync, probe, bw, peak, args) -> str:
     kv_bytes = 2 * k.numel() * k.element_size()
     flops = 4 * batch * t * HQ * (s + t) * D
     case_bw = bw
+    kv_col = ""
     if t <= 4:
-        t_ours, t_sum = best_pair(lambda: ops.tree_attention(q, k, v, lens), probe.sum, sync=sync)
+        t_ours, t_sum, t_kv = best_alternating(
+            [lambda: ops.tree_attention(q, k, v, lens), probe.sum, kv_read(k, v)], sync=sync
+        )
         case_bw = probe.numel() * 4 / t_sum / 1e9
+        kv_col = f" (KV read {kv_bytes / t_kv / 1e9:.1f})"
     gbs = kv_bytes / t_ours / 1e9
     gfl = flops / t_ours / 1e9
     name = str(dtype).replace("torch.", "")
     return (
         f"| {batch} | {s} | {t} | {name} | {t_ours * 1e3:.3f} | {t_sdpa * 1e3:.3f} | "
         f"{t_naive * 1e3:.3f} | {t_sdpa / t_ours:.2f}x | {t_naive / t_ours:.2f}x | "
-        f"{gbs:.1f} ({100 * gbs / case_bw:.0f}% of {case_bw:.1f}) | "
+        f"{gbs:.1f} ({100 * gbs / case_bw:.0f}% of {case_bw:.1f}){kv_col} | "
         f"{gfl:.1f} ({100 * gfl / peak:.0f}%) |"
     )
 
