@@ -14,7 +14,10 @@ Baselines measured in the same run:
   (softmax of every row, gather, cumprod of the accepts, residual of the stop row, multinomial);
 * ``hf``: transformers' ``_speculative_sampling`` (batch 1, chains, logits: it softmaxes the
   draft logits too, which it is given as log q);
-* the machine's memory bandwidth: a reduction over a 1 GiB float32 tensor (read-only).
+* the machine's memory bandwidth: a reduction over a 1 GiB float32 tensor (read-only). It is
+  measured before the cases (the ``% of bw`` column is against this reading) and once more after
+  them, since on a shared VM it moves by a third between readings a few minutes apart; the load
+  average is printed with each reading.
 
 ``GB/s`` is the bytes that must be read divided by the op's time: every target row on the accepted
 path plus the draft row of the node where the draft was rejected (V * 4 bytes each).
@@ -57,6 +60,13 @@ def memory_bandwidth() -> float:
     x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
     t = timeit(lambda: x.sum(), min_time=1.0)
     return x.numel() * 4 / t / 1e9
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover (no load average on this platform)
+        return "n/a"
 
 
 def make_case(b: int, parents: list[int] | None, n: int, v: int, gen: torch.Generator):
@@ -147,7 +157,8 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"specdecode threads {specdecode.get_num_threads()}, torch threads "
         f"{torch.get_num_threads()}, torch {torch.__version__}",
-        f"memory bandwidth (1 GiB float32 sum, read): {bw:.1f} GB/s",
+        f"memory bandwidth (1 GiB float32 sum, read): {bw:.1f} GB/s "
+        f"(load average {load_average()})",
         "",
         "| shape | B | V | input | specdecode ms | torch ms | speed-up | hf ms | accepted/seq "
         "| GB/s | % of bw |",
@@ -168,6 +179,12 @@ def main() -> None:
         for v in vocabs:
             for b in batches:
                 lines += run_case(name, parents_list, n, v, b, gen, bw, _speculative_sampling)
+    after = (
+        f"memory bandwidth after the cases: {memory_bandwidth():.1f} GB/s "
+        f"(load average {load_average()})"
+    )
+    print(after, flush=True)
+    lines += ["", after]
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
