@@ -63,6 +63,33 @@ def memory_bandwidth() -> float:
     return x.numel() * 4 / t / 1e9
 
 
+def native_op(target, q, tokens, parents, kind: str):
+    """The op on one case as a timeable closure, with the rows it must read.
+
+    Returns ``(fn, rows, visited, bytes_read)``: ``rows`` is the target input of ``kind``
+    ("logits" or "probs"), ``visited`` the target rows on the accepted paths (``B`` roots plus
+    the accepted nodes), ``bytes_read`` those rows plus the draft row of each rejection (trees:
+    one draft row per sequence), V * 4 bytes each.
+    """
+    b, n, v = target.shape
+    logits = kind == "logits"
+    rows = target if logits else torch.softmax(target, -1)
+    kw = dict(
+        parents=parents, draft_probs=q, seed=torch.arange(b), offset=1, target_is_logits=logits
+    )
+
+    def fn():
+        return ops.verify(rows, tokens, **kw)
+
+    res = fn()
+    visited = int(res.num_accepted.sum()) + b
+    if parents is None:
+        rejected = int((res.num_accepted < n - 1).sum())
+    else:
+        rejected = b  # counted as one q row per sequence
+    return fn, rows, visited, (visited + rejected) * v * 4
+
+
 def interleaved_goal_row(rounds: int, gen: torch.Generator) -> list[str]:
     """The goal row (chain k=4, B=64, V=128256) timed in alternation with the bandwidth probe.
 
@@ -74,20 +101,10 @@ def interleaved_goal_row(rounds: int, gen: torch.Generator) -> list[str]:
     """
     b, n, v = 64, 5, 128256
     target, q, tokens = make_case(b, None, n, v, gen)
-    seed = torch.arange(b)
     cases = {}
     for kind in ("logits", "probs"):
-        logits = kind == "logits"
-        rows = target if logits else torch.softmax(target, -1)
-        kw = dict(draft_probs=q, seed=seed, offset=1, target_is_logits=logits)
-
-        def native(rows=rows, kw=kw):
-            return ops.verify(rows, tokens, **kw)
-
-        res = native()
-        visited = int(res.num_accepted.sum()) + b
-        rejected = int((res.num_accepted < n - 1).sum())
-        cases[kind] = (native, (visited + rejected) * v * 4)
+        fn, _, _, bytes_read = native_op(target, q, tokens, None, kind)
+        cases[kind] = (fn, bytes_read)
     x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
     lines = [
         "| round | probe GB/s | logits ms | logits GB/s | logits % | probs ms | probs GB/s "
@@ -154,23 +171,10 @@ def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling) -> list[str]:
     parents = None
     if parents_list is not None:
         parents = torch.tensor(parents_list, dtype=torch.int32).expand(b, n).contiguous()
-    seed = torch.arange(b)
     for kind in ("logits", "probs"):
         logits = kind == "logits"
-        rows = target if logits else torch.softmax(target, -1)
-        kw = dict(parents=parents, draft_probs=q, seed=seed, offset=1, target_is_logits=logits)
-
-        def native(rows=rows, kw=kw):
-            return ops.verify(rows, tokens, **kw)
-
-        res = native()
+        native, rows, visited, bytes_read = native_op(target, q, tokens, parents, kind)
         t_native = timeit(native)
-        visited = int(res.num_accepted.sum()) + b
-        if parents_list is None:
-            rejected = int((res.num_accepted < n - 1).sum())
-        else:
-            rejected = b  # counted as one q row per sequence
-        bytes_read = (visited + rejected) * v * 4
         gbs = bytes_read / t_native / 1e9
         t_torch = t_hf = float("nan")
         if parents_list is None:
