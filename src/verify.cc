@@ -244,9 +244,11 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
         if constexpr (logits) {
           return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         } else {
-          return static_cast<__mmask16>(
-              ~(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ) &
-                _mm512_cmp_ps_mask(v, v512::set1(verify::kFloatMax), _CMP_LE_OQ)));
+          // !(v >= 0 && v <= FLT_MAX) in one instruction: NaN (quiet 0x01, signalling 0x80),
+          // +inf (0x08), -inf (0x10) and negative non-zero finite values, denormals included
+          // (0x40); -0 passes, as v >= 0 does. (FPCLASS ignores MXCSR.DAZ, so under DAZ a
+          // negative denormal is still flagged here, as on the GPU, which has no DAZ.)
+          return _mm512_fpclass_ps_mask(v, 0xD9);
         }
       };
       const int chunks = verify::num_chunks(n);
@@ -269,42 +271,46 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
       const __m512 vinv_temp = v512::set1(inv_temp);
       const bool unit_temp = inv_temp == 1.f;
       __mmask16 flag = 0;
-      for (int c = 0; c < full; ++c) {
-        const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+      // The raw max of one full chunk and its bad flags.
+      const auto chunk_max_of = [&](int64_t begin) {
         __m512 m = ninf;
-        if (fuse && !logits) {
-          // A probability row's unmasked weights are its values: summed in the same loop.
-          lsum[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
-            const __m512 v = v512::load16(row, i);
-            flag |= is_bad(v);
-            m = _mm512_max_ps(v, m);
-            return v;
-          });
-        } else {
-          for (int s = 0; s < v512::kVecPerChunk; ++s) {
-            const __m512 v = v512::load16(row, begin + s * 16);
-            flag |= is_bad(v);
-            // MAXPS(v, m) = v > m ? v : m, the generic lane update (a NaN v keeps m).
-            m = _mm512_max_ps(v, m);
-          }
+        for (int s = 0; s < v512::kVecPerChunk; ++s) {
+          const __m512 v = v512::load16(row, begin + s * 16);
+          flag |= is_bad(v);
+          // MAXPS(v, m) = v > m ? v : m, the generic lane update (a NaN v keeps m).
+          m = _mm512_max_ps(v, m);
         }
-        cmax[c] = _mm512_reduce_max_ps(m);
-        if constexpr (logits) {
-          if (cmax[c] == verify::kInf) flag |= 1;
-          if (fuse) {
-            // The chunk is in L1 now: its exps and their lane sum (verify::local_logit_weight).
-            // The loads of a later chunk are started here (the exps keep the core busy for
-            // longer than a chunk takes to arrive, and the out-of-order window does not reach
-            // the next chunk's loads by itself); a prefetch past the row's end is harmless.
+        return _mm512_reduce_max_ps(m);
+      };
+      if constexpr (logits) {
+        if (fuse && full > 0) {
+          // Software-pipelined by one chunk: the exps of chunk c need m_c, so chunk c+1's max is
+          // taken inside chunk c's exp loop (its loads and MAXPS fill the FMA-bound loop's
+          // spare slots) instead of in a separate pass that the exps would wait on. The maxima
+          // and flags are the same values (MAXPS is exact; the flags are OR-ed).
+          cmax[0] = chunk_max_of(0);
+          for (int c = 0; c < full; ++c) {
+            const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+            if (cmax[c] == verify::kInf) flag |= 1;
             const __m512 mc = v512::set1(verify::fmul(cmax[c], inv_temp));
+            const bool more = c + 1 < full;
+            __m512 mn = ninf;
+            // The loads of a later chunk are also started here (the exps keep the core busy for
+            // longer than a chunk takes to arrive, and the out-of-order window does not reach
+            // those loads by itself); a prefetch past the row's end is harmless.
             const auto exps = [&](auto unit) {
               lsum[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
                 _mm_prefetch(reinterpret_cast<const char*>(row + i) + v512::kPrefetchBytes,
                              _MM_HINT_T0);
-                __m512 s = v512::load16(row, i);
+                if (more) {
+                  const __m512 v = v512::load16(row, i + verify::kChunk);
+                  flag |= is_bad(v);
+                  mn = _mm512_max_ps(v, mn);
+                }
+                __m512 x = v512::load16(row, i);
                 // fmul(raw, 1) = raw for every raw (NaN stays NaN): the multiply is left out.
-                if constexpr (!decltype(unit)::value) s = _mm512_mul_ps(s, vinv_temp);
-                const __m512 e = v512::exp16<false>(_mm512_sub_ps(s, mc));
+                if constexpr (!decltype(unit)::value) x = _mm512_mul_ps(x, vinv_temp);
+                const __m512 e = v512::exp16<false>(_mm512_sub_ps(x, mc));
                 _mm512_storeu_ps(local + i, e);
                 return e;
               });
@@ -314,6 +320,29 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
             } else {
               exps(std::false_type{});
             }
+            if (more) cmax[c + 1] = _mm512_reduce_max_ps(mn);
+          }
+        } else {
+          for (int c = 0; c < full; ++c) {
+            cmax[c] = chunk_max_of(static_cast<int64_t>(c) * verify::kChunk);
+            if (cmax[c] == verify::kInf) flag |= 1;
+          }
+        }
+      } else {
+        for (int c = 0; c < full; ++c) {
+          const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+          if (fuse) {
+            // A probability row's unmasked weights are its values: summed in the same loop.
+            __m512 m = ninf;
+            lsum[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
+              const __m512 v = v512::load16(row, i);
+              flag |= is_bad(v);
+              m = _mm512_max_ps(v, m);
+              return v;
+            });
+            cmax[c] = _mm512_reduce_max_ps(m);
+          } else {
+            cmax[c] = chunk_max_of(begin);
           }
         }
       }
@@ -499,12 +528,14 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
       const __m512 g = v512::set1(rw.scale(begin));
       if (cached) {
         out[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
+          _mm_prefetch(reinterpret_cast<const char*>(qrow + i) + v512::kPrefetchBytes, _MM_HINT_T0);
           __m512 wv = _mm512_loadu_ps(cl + i);
           if (logits) wv = _mm512_mul_ps(wv, g);
           return v512::residual16(wv, v512::load16(qrow, i), inv_total);
         });
       } else {
         out[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
+          _mm_prefetch(reinterpret_cast<const char*>(qrow + i) + v512::kPrefetchBytes, _MM_HINT_T0);
           __m512 wv = local16(v512::load16(row, i), m, g);
           if (logits) wv = _mm512_mul_ps(wv, g);
           return v512::residual16(wv, v512::load16(qrow, i), inv_total);

@@ -818,6 +818,13 @@ for v in (3001, 4352):
     bad[6, 0, 9] = float("nan")
     bad[9, 0, 300] = float("inf")  # inside a whole chunk
     bad[10, 1, 257] = float("nan")
+    # Probability rows with values outside [0, FLT_MAX] inside whole chunks; -0.0 is valid.
+    badp = probs.clone()
+    badp[11, 0, 300] = -1e-3
+    badp[12, 0, 600] = -0.0
+    badp[13, 0, 700] = float("inf")
+    badp[14, 1, 800] = float("nan")
+    badp[15, 0, 900] = -1e-40  # a negative denormal
     cases = [
         (logits, dict(draft_probs=q)),
         (logits, dict(parents=parents, draft_probs=q, top_k=40, top_p=0.8)),
@@ -833,6 +840,7 @@ for v in (3001, 4352):
         (logits.half(), dict(draft_probs=q.half())),
         (logits, dict(draft_probs=q.bfloat16())),
         (bad, dict(draft_probs=q)),
+        (badp, dict(target_is_logits=False, draft_probs=q)),
     ]
     for t, kw in cases:
         r = ops.verify(t, tokens, seed=torch.arange(b), offset=1, **kw)
@@ -854,6 +862,9 @@ def test_cpu_isa_paths_agree(tmp_path):
         results.append(torch.load(out))
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0], results[2])
+    # The last case's status flags: rows 11, 13, 14 (at its node 1) and 15 are flagged, 12 is not.
+    status = results[2][-16:]
+    assert [bool(s) for s in status[11:16].tolist()] == [True, False, True, True, True]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
