@@ -21,7 +21,15 @@ Baselines measured in the same run:
   average is printed with each reading.
 
 ``GB/s`` is the bytes that must be read divided by the op's time: every target row on the accepted
-path plus the draft row of the node where the draft was rejected (V * 4 bytes each).
+path plus the draft row of every node where a draft was rejected (V * 4 bytes each): in a chain
+the stop node when it has a child; in a tree each node of the path whose accepted child is not
+its first (the children tried before it were rejected against that node's q) and the stop node
+when it has children.
+
+``--device cuda`` runs the same cases on a GPU: the op's CUDA kernels, the PyTorch baseline on
+the GPU, FlashInfer's ``chain_speculative_sampling`` (chains; it takes probabilities, so its
+logits column includes a softmax) when ``flashinfer`` can be imported, and the bandwidth probe
+on the GPU's memory; times are taken after ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -40,9 +48,18 @@ from specdecode import ops
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from reference_verify import torch_verify_chain  # noqa: E402
 
+# Set by main(): the device the cases run on, and how to wait for it (a no-op on the CPU).
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
 
 def timeit(fn, min_time: float = 0.3, min_reps: int = 3, max_reps: int = 200) -> float:
     fn()  # warm-up
+    _sync()
     times = []
     start = time.perf_counter()
 
@@ -52,15 +69,34 @@ def timeit(fn, min_time: float = 0.3, min_reps: int = 3, max_reps: int = 200) ->
     while len(times) < max_reps and more():
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2]
 
 
 def memory_bandwidth() -> float:
-    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32, device=DEVICE)  # 1 GiB
     t = timeit(lambda: x.sum(), min_time=1.0)
     return x.numel() * 4 / t / 1e9
+
+
+def rows_read(parents: list[int] | None, n: int, path: torch.Tensor, accepted: torch.Tensor) -> int:
+    """Target and draft rows a sequence's exact verification must read, from its result.
+
+    ``path``: int ``[D+1]`` node indices (root first), ``accepted``: number of accepted nodes.
+    Target rows: every node of the path (the root and the accepted nodes). Draft rows: the q row
+    of each path node where a child was rejected before the walk went on (its accepted child is
+    not its first one) and of the stop node if it has children (all of them were rejected).
+    """
+    par = list(range(-1, n - 1)) if parents is None else parents
+    first_child: dict[int, int] = {}
+    for i in range(1, n):
+        first_child.setdefault(par[i], i)
+    nodes = path[: accepted + 1].tolist()
+    draft_rows = sum(1 for a, c in zip(nodes, nodes[1:]) if first_child[a] != c)
+    draft_rows += int(nodes[-1] in first_child)
+    return len(nodes) + draft_rows
 
 
 def native_op(target, q, tokens, parents, kind: str):
@@ -68,26 +104,29 @@ def native_op(target, q, tokens, parents, kind: str):
 
     Returns ``(fn, rows, visited, bytes_read)``: ``rows`` is the target input of ``kind``
     ("logits" or "probs"), ``visited`` the target rows on the accepted paths (``B`` roots plus
-    the accepted nodes), ``bytes_read`` those rows plus the draft row of each rejection (trees:
-    one draft row per sequence), V * 4 bytes each.
+    the accepted nodes), ``bytes_read`` the target and draft rows of :func:`rows_read` summed
+    over the batch, V * 4 bytes each.
     """
     b, n, v = target.shape
     logits = kind == "logits"
     rows = target if logits else torch.softmax(target, -1)
     kw = dict(
-        parents=parents, draft_probs=q, seed=torch.arange(b), offset=1, target_is_logits=logits
+        parents=parents,
+        draft_probs=q,
+        seed=torch.arange(b, device=target.device),
+        offset=1,
+        target_is_logits=logits,
     )
 
     def fn():
         return ops.verify(rows, tokens, **kw)
 
     res = fn()
-    visited = int(res.num_accepted.sum()) + b
-    if parents is None:
-        rejected = int((res.num_accepted < n - 1).sum())
-    else:
-        rejected = b  # counted as one q row per sequence
-    return fn, rows, visited, (visited + rejected) * v * 4
+    path, accepted = res.path.cpu(), res.num_accepted.cpu()
+    visited = int(accepted.sum()) + b
+    parents_list = None if parents is None else parents[0].tolist()
+    total = sum(rows_read(parents_list, n, path[i], int(accepted[i])) for i in range(b))
+    return fn, rows, visited, total * v * 4
 
 
 def interleaved_goal_row(rounds: int, gen: torch.Generator) -> list[str]:
@@ -105,7 +144,7 @@ def interleaved_goal_row(rounds: int, gen: torch.Generator) -> list[str]:
     for kind in ("logits", "probs"):
         fn, _, _, bytes_read = native_op(target, q, tokens, None, kind)
         cases[kind] = (fn, bytes_read)
-    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32, device=DEVICE)
     lines = [
         "| round | probe GB/s | logits ms | logits GB/s | logits % | probs ms | probs GB/s "
         "| probs % |",
@@ -162,21 +201,47 @@ def make_case(b: int, parents: list[int] | None, n: int, v: int, gen: torch.Gene
             p = parents[i]
             rows = idx.view(b, n)[:, p]
             tokens[:, i] = pairs[rows, (i - 1) % 2]
-    return target, q, tokens
+    return target.to(DEVICE), q.to(DEVICE), tokens.to(DEVICE)
 
 
-def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling) -> list[str]:
+def flashinfer_chain():
+    """FlashInfer's chain_speculative_sampling as ``fn(target_probs, q, tokens)`` in our layout
+    (``q[:, i]`` drew node ``i + 1``), or None without a GPU or without flashinfer."""
+    if DEVICE.type != "cuda":
+        return None
+    try:
+        from flashinfer.sampling import chain_speculative_sampling
+    except ImportError:
+        return None
+
+    def run(target_probs, q, tokens):
+        k = tokens.shape[1] - 1
+        return chain_speculative_sampling(
+            q[:, :k].contiguous(), tokens[:, 1:].to(torch.int32).contiguous(), target_probs
+        )
+
+    return run
+
+
+def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling, fi_chain) -> list[str]:
     out = []
     target, q, tokens = make_case(b, parents_list, n, v, gen)
     parents = None
     if parents_list is not None:
-        parents = torch.tensor(parents_list, dtype=torch.int32).expand(b, n).contiguous()
+        parents = torch.tensor(parents_list, dtype=torch.int32, device=DEVICE)
+        parents = parents.expand(b, n).contiguous()
     for kind in ("logits", "probs"):
         logits = kind == "logits"
         native, rows, visited, bytes_read = native_op(target, q, tokens, parents, kind)
         t_native = timeit(native)
         gbs = bytes_read / t_native / 1e9
-        t_torch = t_hf = float("nan")
+        t_torch = t_hf = t_fi = float("nan")
+        if parents_list is None and fi_chain is not None:
+
+            def fi(rows=rows, logits=logits):
+                return fi_chain(torch.softmax(rows, -1) if logits else rows, q, tokens)
+
+            t_fi = timeit(fi)
         if parents_list is None:
 
             def baseline(rows=rows, logits=logits):
@@ -197,6 +262,8 @@ def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling) -> list[str]:
             f"{t_torch * 1e3:.3f} | {t_torch / t_native:.1f}x | {t_hf * 1e3:.3f} | "
             f"{visited / b - 1:.2f} | {gbs:.1f} | {100 * gbs / bw:.0f}% |"
         )
+        if fi_chain is not None:
+            line += f" {t_fi * 1e3:.3f} |"
         print(line, flush=True)
         out.append(line)
     return out
@@ -218,7 +285,16 @@ def main() -> None:
         help="only the goal row, timed in ROUNDS rounds alternating with the bandwidth probe",
     )
     ap.add_argument("--out", default=None, help="write the markdown table here too")
+    ap.add_argument(
+        "--device", default="cpu", help="cpu (default) or cuda[:N]: where the cases run"
+    )
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU")
+    if DEVICE.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device: expected cpu or cuda, got {args.device!r}")
     gen = torch.Generator().manual_seed(0)
     if args.interleaved > 0:
         lines = [f"load average {load_average()}"]
@@ -231,16 +307,22 @@ def main() -> None:
                 f.write("\n".join(lines) + "\n")
         return
     bw = memory_bandwidth()
+    fi_chain = flashinfer_chain()
+    machine = (
+        f"GPU {torch.cuda.get_device_name(DEVICE)}, flashinfer "
+        f"{'found' if fi_chain is not None else 'not installed'}"
+        if DEVICE.type == "cuda"
+        else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    )
     lines = [
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"specdecode threads {specdecode.get_num_threads()}, torch threads "
+        f"machine: {machine}, specdecode threads {specdecode.get_num_threads()}, torch threads "
         f"{torch.get_num_threads()}, torch {torch.__version__}",
-        f"memory bandwidth (1 GiB float32 sum, read): {bw:.1f} GB/s "
+        f"memory bandwidth on {DEVICE.type} (1 GiB float32 sum, read): {bw:.1f} GB/s "
         f"(load average {load_average()})",
         "",
         "| shape | B | V | input | specdecode ms | torch ms | speed-up | hf ms | accepted/seq "
-        "| GB/s | % of bw |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| GB/s | % of bw |" + (" flashinfer ms |" if fi_chain is not None else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if fi_chain is not None else ""),
     ]
     print("\n".join(lines), flush=True)
     try:
@@ -256,7 +338,9 @@ def main() -> None:
     for name, parents_list, n in shapes:
         for v in vocabs:
             for b in batches:
-                lines += run_case(name, parents_list, n, v, b, gen, bw, _speculative_sampling)
+                lines += run_case(
+                    name, parents_list, n, v, b, gen, bw, _speculative_sampling, fi_chain
+                )
     after = (
         f"memory bandwidth after the cases: {memory_bandwidth():.1f} GB/s "
         f"(load average {load_average()})"

@@ -462,6 +462,28 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
     }
   }
 
+  // The residual at sibling level L >= 1 (a tree node whose earlier sampled children were
+  // rejected): max(p_L - q_L, 0) from the cached local weights when this row's were just
+  // computed, else recomputed; the levels' recursion of verify::level_pq lane by lane.
+  template <class T, class Q>
+  float chunk_sums(int64_t n, const verify::ResidualWeight<T, Q>& f, int which) {
+    const int chunks = verify::num_chunks(n);
+    range_sums(n, f, 0, chunks, sums(which));
+    return verify::sequential_total(sums(which), chunks);
+  }
+
+  // The same for chunks [c_begin, c_end) (the final draw's phase 2: a tree node's correction).
+  template <class T, class Q>
+  void range_sums(int64_t n, const verify::ResidualWeight<T, Q>& f, int c_begin, int c_end,
+                  float* out) {
+    if constexpr (!(v512::kFast<T> && v512::kFast<Q>)) {
+      CpuExecAvx512Generic::range_sums(n, f, c_begin, c_end, out);
+    } else {
+      if (f.weight.masked()) return level_residual_of<true>(n, f, c_begin, c_end, out);
+      level_residual_of<false>(n, f, c_begin, c_end, out);
+    }
+  }
+
   void reset(int64_t vocab) {
     CpuExecAvx512Generic::reset(vocab);
     pending_row_ = nullptr;
@@ -551,6 +573,61 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
       } else {
         out[full] = verify::chunk_sum(f, begin, n);
       }
+    }
+  }
+
+  template <bool Masked, class T, class Q>
+  void level_residual_of(int64_t n, const verify::ResidualWeight<T, Q>& f, int c_begin, int c_end,
+                         float* out) {
+    const verify::RowWeight<T>& rw = f.weight;
+    const verify::SiblingLevels& lv = *f.lv;
+    const auto* row = v512::elems(rw.row);
+    const auto* qrow = v512::elems(f.qrow);
+    const bool cached = holds_weights_of(rw, n);
+    const float* cl = row_weights_.data();
+    const int full = static_cast<int>(n / verify::kChunk);
+    const int full_end = std::min(c_end, full);
+    const __m512 inv_total = v512::set1(f.inv_total);
+    const v512::Local16<T, Masked> local16(rw);
+    constexpr bool logits = !verify::IsProb<T>::value;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 zero = _mm512_setzero_ps();
+    for (int c = c_begin; c < full_end; ++c) {
+      const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+      const __m512 m = v512::set1(logits ? rw.chunk_max[c] : 0.f);
+      const __m512 g = v512::set1(rw.scale(begin));
+      out[c] = v512::chunk_lane_sum(begin, [&](int64_t i) {
+        _mm_prefetch(reinterpret_cast<const char*>(qrow + i) + v512::kPrefetchBytes, _MM_HINT_T0);
+        __m512 w = cached ? _mm512_loadu_ps(cl + i) : local16(v512::load16(row, i), m, g);
+        if (logits) w = _mm512_mul_ps(w, g);
+        const __m512 q = v512::load16(qrow, i);
+        // verify::level_pq: p = w / total, then per level l: q_l = 0 once y was tried at an
+        // earlier level (else q * q_scale[l]), p = max(p - q_l, 0) / beta_l (0 if not > 0).
+        const __m512i y = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(i)), lane);
+        __m512 p = _mm512_mul_ps(w, inv_total);
+        __mmask16 removed = 0;
+        for (int l = 0; l < lv.levels; ++l) {
+          const __m512 ql =
+              _mm512_maskz_mul_ps(static_cast<__mmask16>(~removed), q, v512::set1(lv.q_scale[l]));
+          const __m512 d = _mm512_sub_ps(p, ql);
+          p = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, zero, _CMP_GT_OQ), d,
+                                  v512::set1(lv.beta[l]));
+          removed |= _mm512_cmpeq_epi32_mask(y, _mm512_set1_epi32(lv.tried[l]));
+        }
+        const __m512 qn = _mm512_maskz_mul_ps(static_cast<__mmask16>(~removed), q,
+                                              v512::set1(lv.q_scale[lv.levels]));
+        const __m512 d = _mm512_sub_ps(p, qn);
+        const __m512 r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, zero, _CMP_GT_OQ), d);
+        // NaN where q is not a probability (verify::bad_prob), which poisons the sum.
+        const __mmask16 ok = _mm512_cmp_ps_mask(q, zero, _CMP_GE_OQ) &
+                             _mm512_cmp_ps_mask(q, v512::set1(verify::kFloatMax), _CMP_LE_OQ);
+        return _mm512_mask_mov_ps(_mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)), ok, r);
+      });
+    }
+    // The partial last chunk (index full, when n is not a multiple of kChunk), if in range.
+    if (full < verify::num_chunks(n) && c_begin <= full && full < c_end) {
+      const int64_t begin = static_cast<int64_t>(full) * verify::kChunk;
+      out[full] = verify::chunk_sum(f, begin, n);
     }
   }
 

@@ -812,6 +812,7 @@ for v in (3001, 4352):
     tokens = torch.randint(0, v, (b, n), generator=g)
     tokens[4, 1] = int(logits[4, 0].argmax())  # likely accepted: the walk goes deeper
     parents = torch.tensor([-1, 0, 0, 1, 2], dtype=torch.int32).expand(b, n).contiguous()
+    fan = torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int32).expand(b, n).contiguous()
     probs = torch.softmax(logits, -1)
     probs[5, 0, 100:200] = 0.0
     bad = logits.clone()
@@ -828,6 +829,13 @@ for v in (3001, 4352):
     cases = [
         (logits, dict(draft_probs=q)),
         (logits, dict(parents=parents, draft_probs=q, top_k=40, top_p=0.8)),
+        # Sibling levels >= 1 (a tree node's later sampled children), unmasked and masked.
+        (logits, dict(parents=parents, draft_probs=q)),
+        (logits, dict(parents=parents, draft_probs=q, temperature=0.7)),
+        (logits, dict(parents=fan, draft_probs=q)),  # up to 4 levels at the root
+        (logits, dict(parents=fan, draft_probs=q, top_p=0.9)),
+        (probs, dict(target_is_logits=False, parents=parents, draft_probs=q)),
+        (probs, dict(target_is_logits=False, parents=parents, draft_probs=q, top_k=60)),
         (logits, dict(temperature=0.6)),
         (logits, dict(draft_probs=q, top_p=0.9)),  # top-p after the one-pass scan
         (logits, dict(temperature=0.0)),
