@@ -423,7 +423,7 @@ SD_TARGET_AVX512 void stream_partials_f32(const float* q, int heads, int rows,
 }
 
 // As stream_partials_f32, two keys per step: each query vector loaded feeds the FMAs of two
-// keys, which halves the query loads per FMA (used above kPairRows rows per KV head). Every
+// keys, which halves the query loads per FMA (see stream_partials_rows_f32). Every
 // key's dot product is summed in the same order as in the one-key loop, so results are
 // bit-identical; the address order pairs keys j, j + 1 of a head. A trailing odd key of a block
 // takes the one-key loop.
@@ -467,25 +467,22 @@ SD_TARGET_AVX512 void stream_partials2_f32(const float* q, int heads, int rows,
   }
 }
 
-// Rows per KV head above which the streaming scores take two keys per step. At 8 rows (T = 2,
-// GQA 4) the pairing took 8-10 % less time with the KV in cache; at 4 rows (T = 1) it took the
-// same time in fp32 and 3 % less in bf16, but the bf16 decode read from DRAM measured slower in
-// three same-run A/B comparisons (the paired order interleaves two keys' rows), so decoding keeps
-// the one-key loop.
-constexpr int kPairRows = 4;
-
+// The streaming scores take two keys per step for every row count. At 8 rows (T = 2, GQA 4)
+// the pairing took 8-10 % less time with the KV in cache. At 4 rows (decoding) round 3 kept the
+// one-key loop because the paired order measured slower from DRAM with the values prefetched in
+// L1 bursts; with the next block hinted into L2 during P V (stream_range) the paired loop was
+// faster in 21 of 24 same-run A/B pairs (T = 1, B = 1 / S = 16384 and B = 8 / S = 4096, fp32
+// and bf16, two threads), typically by 2-12 %.
 template <int D, AttnDType DT>
 SD_TARGET_AVX512 void stream_partials_rows_f32(const float* q, int heads, int rows,
                                                const typename Elem<DT>::T* k, int64_t rs,
                                                int64_t hs, int n, float* part) {
   // Two keys of D = 256 would take all 32 vector registers: that head dim keeps one key.
   if constexpr (D <= 128) {
-    if (rows > kPairRows) {
-      stream_partials2_f32<D, DT>(q, heads, rows, k, rs, hs, n, part);
-      return;
-    }
+    stream_partials2_f32<D, DT>(q, heads, rows, k, rs, hs, n, part);
+  } else {
+    stream_partials_f32<D, DT>(q, heads, rows, k, rs, hs, n, part);
   }
-  stream_partials_f32<D, DT>(q, heads, rows, k, rs, hs, n, part);
 }
 
 struct Avx512Kernels {
@@ -757,11 +754,9 @@ template <int D>
 SD_TARGET_AVX512BF16 void stream_partials_rows_bf16(const float* q, int heads, int rows,
                                                     const uint16_t* k, int64_t rs, int64_t hs,
                                                     int n, float* part) {
-  if (rows > kPairRows) {
-    stream_partials2_bf16<D>(q, heads, rows, k, rs, hs, n, part);
-  } else {
-    stream_partials_bf16<D>(q, heads, rows, k, rs, hs, n, part);
-  }
+  // Two keys per step at every row count (see stream_partials_rows_f32); a trailing odd key of
+  // a block takes the one-key loop.
+  stream_partials2_bf16<D>(q, heads, rows, k, rs, hs, n, part);
 }
 
 struct Avx512Bf16Kernels : Avx512Kernels {
