@@ -1024,7 +1024,7 @@ bool use_stream(const Shape& sh) {
 // block b + 1 then read their keys from L2. Measured on the 2-core Zen 4 VM (same-run A/B
 // against the previous scheme, which prefetched a block's values into L1 in a burst during its
 // scores and left the keys to the hardware prefetcher, which stops at every 4 KiB page, i.e.
-// at every fp32 key row of [Hkv = 8, D = 128]): T = 1 and 2 took 5-35 % less time from DRAM,
+// at every fp32 key row of [Hkv = 8, D = 128]): T = 1 and 2 took 5-50 % less time from DRAM,
 // most for bf16; the same hints into L1 (prefetcht0), or two blocks ahead, were not faster.
 template <class K, AttnDType DT>
 void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
