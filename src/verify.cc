@@ -441,29 +441,43 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
     }
   }
 
-  // The residuals max(p_L - q_L, 0) of a node's sampled children: level 0 (a chain's stop node,
-  // a tree node's first child: residual_of) and levels L >= 1 (a tree node whose earlier
-  // children were rejected: level_residual_of, verify::level_pq's recursion lane by lane). Both
-  // take the target weights from the cache when this row's local weights were just computed
-  // (w = local * g_c, one multiply), else recompute them; q is read once.
-  template <template <class, class> class Residual, class T, class Q>
-  float chunk_sums(int64_t n, const Residual<T, Q>& f, int which) {
+  // The first residual max(p - q, 0): from the cached local weights when this row's were just
+  // computed (w = local * g_c, one multiply), else recomputed from the row; q read once.
+  template <class T, class Q>
+  float chunk_sums(int64_t n, const verify::FirstResidualWeight<T, Q>& f, int which) {
     const int chunks = verify::num_chunks(n);
     range_sums(n, f, 0, chunks, sums(which));
     return verify::sequential_total(sums(which), chunks);
   }
 
-  // The same for chunks [c_begin, c_end) (the final draw's phase 2: the correction's sums).
-  // Other functors of two types (LevelWeight) and other element types take the generic loops.
-  template <template <class, class> class Residual, class T, class Q>
-  void range_sums(int64_t n, const Residual<T, Q>& f, int c_begin, int c_end, float* out) {
-    constexpr bool first = std::is_same<Residual<T, Q>, verify::FirstResidualWeight<T, Q>>::value;
-    constexpr bool level = std::is_same<Residual<T, Q>, verify::ResidualWeight<T, Q>>::value;
-    if constexpr (!(first || level) || !(v512::kFast<T> && v512::kFast<Q>)) {
+  // The same for chunks [c_begin, c_end) (the final draw's phase 2: a chain's correction).
+  template <class T, class Q>
+  void range_sums(int64_t n, const verify::FirstResidualWeight<T, Q>& f, int c_begin, int c_end,
+                  float* out) {
+    if constexpr (!(v512::kFast<T> && v512::kFast<Q>)) {
       CpuExecAvx512Generic::range_sums(n, f, c_begin, c_end, out);
-    } else if constexpr (first) {
+    } else {
       if (f.weight.masked()) return residual_of<true>(n, f, c_begin, c_end, out);
       residual_of<false>(n, f, c_begin, c_end, out);
+    }
+  }
+
+  // The residual at sibling level L >= 1 (a tree node whose earlier sampled children were
+  // rejected): max(p_L - q_L, 0) from the cached local weights when this row's were just
+  // computed, else recomputed; the levels' recursion of verify::level_pq lane by lane.
+  template <class T, class Q>
+  float chunk_sums(int64_t n, const verify::ResidualWeight<T, Q>& f, int which) {
+    const int chunks = verify::num_chunks(n);
+    range_sums(n, f, 0, chunks, sums(which));
+    return verify::sequential_total(sums(which), chunks);
+  }
+
+  // The same for chunks [c_begin, c_end) (the final draw's phase 2: a tree node's correction).
+  template <class T, class Q>
+  void range_sums(int64_t n, const verify::ResidualWeight<T, Q>& f, int c_begin, int c_end,
+                  float* out) {
+    if constexpr (!(v512::kFast<T> && v512::kFast<Q>)) {
+      CpuExecAvx512Generic::range_sums(n, f, c_begin, c_end, out);
     } else {
       if (f.weight.masked()) return level_residual_of<true>(n, f, c_begin, c_end, out);
       level_residual_of<false>(n, f, c_begin, c_end, out);
