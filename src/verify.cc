@@ -465,6 +465,9 @@ class CpuExecAvx512 : public CpuExecAvx512Generic {
   // The residual at sibling level L >= 1 (a tree node whose earlier sampled children were
   // rejected): max(p_L - q_L, 0) from the cached local weights when this row's were just
   // computed, else recomputed; the levels' recursion of verify::level_pq lane by lane.
+  // (This pair and the level-0 pair above have the same shape on purpose: each must have exactly
+  // the signature of the generic executor's overload, which it hides; a shared template of
+  // another signature loses overload resolution to the generic one, which is slower.)
   template <class T, class Q>
   float chunk_sums(int64_t n, const verify::ResidualWeight<T, Q>& f, int which) {
     const int chunks = verify::num_chunks(n);
