@@ -125,9 +125,8 @@ inline __m512 exp16(__m512 x) {
   if constexpr (kClamp) x = _mm512_min_ps(x, set1(c::kHuge));
   const __m512 magic = set1(c::kMagic);
   const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, set1(c::kLog2e), magic), magic);
-  const __m512 r = _mm512_fmadd_ps(n, set1(-c::kLn2Lo), _mm512_fmadd_ps(n, set1(-c::kLn2Hi), x));
-  __m512 p = set1(c::kC6);
-  p = _mm512_fmadd_ps(p, r, set1(c::kC5));
+  const __m512 r = _mm512_fmadd_ps(n, set1(-c::kLn2), x);
+  __m512 p = set1(c::kC5);
   p = _mm512_fmadd_ps(p, r, set1(c::kC4));
   p = _mm512_fmadd_ps(p, r, set1(c::kC3));
   p = _mm512_fmadd_ps(p, r, set1(c::kC2));

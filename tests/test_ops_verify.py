@@ -154,14 +154,17 @@ def exp_inputs() -> np.ndarray:
     return x[(x > -87.0) & (x <= 88.0)]
 
 
-def test_exp_is_within_one_ulp_of_exp():
+def test_exp_is_within_a_few_ulp_of_exp():
     """The exp's error against numpy's float64 exp, in units in the last place of the float32
-    result, over the whole input range that does not flush to 0: at most 1 ulp on every
-    instruction set (the minimax polynomial itself is good to 0.06 ulp; the rest is rounding)."""
+    result, over the whole input range that does not flush to 0: at most 6 ulp on every
+    instruction set, and at most 3.5 ulp for |x| <= 30, where a row's weights live (the degree-5
+    polynomial is good to 7.6e-8 relative; the rest is the one-constant reduction x - n ln2,
+    whose error grows with |n|, and rounding)."""
     x = exp_inputs()
     exact = np.exp(x.astype(np.float64))
     _, e = np.frexp(exact)
     ulp = np.ldexp(1.0, e - 24)  # spacing of float32 values in exact's binade
+    near = np.abs(x) <= 30.0
     for isa in ISAS:
         y, used = native_exp(x, isa)
         if used != isa:
@@ -169,7 +172,8 @@ def test_exp_is_within_one_ulp_of_exp():
         assert np.all(np.isfinite(y)) and np.all(y > 0)
         err = np.abs(y.astype(np.float64) - exact) / ulp
         worst = int(np.argmax(err))
-        assert err[worst] <= 1.0, (ISAS[isa], float(x[worst]), float(y[worst]), exact[worst])
+        assert err[worst] <= 6.0, (ISAS[isa], float(x[worst]), float(y[worst]), exact[worst])
+        assert err[near].max() <= 3.5, (ISAS[isa], float(err[near].max()))
 
 
 def test_exp_flush_rule_and_exact_points():
@@ -203,7 +207,7 @@ def test_exp_flush_rule_and_exact_points():
         assert np.all(y[:7] == 0.0), ISAS[isa]
         assert y[7] >= np.finfo(np.float32).tiny, ISAS[isa]
         assert y[8] == 1.0 and y[9] == 1.0, ISAS[isa]
-        assert np.all(y[11:] == y[10]) and abs(y[10] / np.exp(88.0) - 1.0) < 2.0**-23, ISAS[isa]
+        assert np.all(y[11:] == y[10]) and abs(y[10] / np.exp(88.0) - 1.0) < 6 * 2.0**-24, ISAS[isa]
 
 
 def test_exp_is_bit_identical_across_instruction_sets():

@@ -137,45 +137,47 @@ SD_HD_INLINE bool is_nan(float x) { return x != x; }
 SD_HD_INLINE bool is_finite(float x) { return x >= -kFloatMax && x <= kFloatMax; }
 
 // The constants of exp_approx (shared with the AVX-512 exp in src/verify.cc, which must use the
-// same values). exp(r) on |r| <= ln2/2 is 1 + r + c2 r^2 + ... + c6 r^6: the degree-6 polynomial
+// same values). exp(r) on |r| <= ln2/2 is 1 + r + c2 r^2 + ... + c5 r^5: the degree-5 polynomial
 // with c0 = c1 = 1 whose float32 coefficients minimise the largest relative error on
-// |r| <= 1.0005 ln2/2 (a linear-programming minimax fit in float64, each coefficient rounded to
-// float from the highest down with the lower ones refitted; relative error 3.8e-9 = 0.06 ulp).
-// With the roundings of the evaluation, exp_approx is within 1 ulp of exp over its whole range
-// (tests/test_ops_verify.py measures it against numpy's float64 exp).
+// |r| <= 1.002 ln2/2 (a linear-programming minimax fit in float64, each coefficient rounded to
+// float from the highest down with the lower ones refitted; relative error 7.6e-8).
+// The reduction r = x - n ln2 takes ONE fused multiply-add with ln 2 rounded to float (no
+// Cody-Waite second constant): its error n (ln2 - kLn2) is at most 2.4e-7 relative at |n| = 127
+// and 8e-8 for |x| <= 30. With the roundings of the evaluation exp_approx is within 5.4 ulp of
+// exp over its whole range and 3.4 ulp for |x| <= 30 (relative 3.2e-7 at worst, far below what
+// any sampling test can see; tests/test_ops_verify.py measures it against numpy's float64 exp).
+// Why not 1 ulp: the logits scan is bound by this exp's fused multiply-adds on the CPU (one
+// 512-bit FMA per cycle on Zen 4); the degree-6 polynomial with the two-constant reduction took
+// 10 of them per 16 logits, this takes 8. The argument itself, s_i - m_c with s_i = raw *
+// inv_temp rounded, already carries a relative error of |s_i| 2^-24 (1.8e-6 at |s_i| = 30).
 namespace expc {
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-// Cody-Waite split of ln 2: kLn2Hi has 12 significant bits, so n * kLn2Hi is exact for |n| < 2^12
-// and x - n * kLn2Hi is exact by Sterbenz's lemma (x is within ln2/2 of n ln2).
-constexpr float kLn2Hi = 0.693145751953125f;
-constexpr float kLn2Lo = 1.428606765330187e-06f;
-constexpr float kC2 = 0x1.fffffcp-2f;
-constexpr float kC3 = 0x1.55548cp-3f;
-constexpr float kC4 = 0x1.555902p-5f;
-constexpr float kC5 = 0x1.123deap-7f;
-constexpr float kC6 = 0x1.6a25f2p-10f;
+constexpr float kLn2 = 0.693147182464599609375f;  // ln 2 rounded to float
+constexpr float kC2 = 0x1.fffe04p-2f;
+constexpr float kC3 = 0x1.55565ap-3f;
+constexpr float kC4 = 0x1.572b24p-5f;
+constexpr float kC5 = 0x1.111992p-7f;
 constexpr float kTiny = -87.0f;  // x <= kTiny (and NaN) gives 0
 constexpr float kHuge = 88.0f;   // x is clamped to kHuge
 }  // namespace expc
 
-// exp(x) for the softmax, within 1 ulp of the true value (0.89 ulp the largest error measured
-// over 4.2e6 inputs spread over the whole range). Results below 2^-126 (x < -87) flush
-// to 0: such tokens are at least e^-87 times less likely than the most likely one and count as
-// probability 0. exp_approx(0) is exactly 1 (every step is exact there), which the weights rely
+// exp(x) for the softmax, within 5.4 ulp of the true value (3.4 ulp for |x| <= 30; the largest
+// errors measured over 5e6 inputs spread over the whole range). Results below 2^-126 (x < -87)
+// flush to 0: such tokens are at least e^-87 times less likely than the most likely one and count
+// as probability 0. exp_approx(0) is exactly 1 (every step is exact there), which the weights rely
 // on (the most likely token of a row has weight 1). Operation for operation:
 //   n = round(x log2 e)              ffma(x, kLog2e, kMagic) - kMagic (one rounding to an integer)
-//   r = x - n ln2                    two ffma with -kLn2Hi (exact) and -kLn2Lo
-//   p = Horner in r, c6 down to c0   six ffma
+//   r = x - n ln2                    ffma(n, -kLn2, x)
+//   p = Horner in r, c5 down to c0   five ffma
 //   exp = p * 2^n                    fmul by the power of two built from n's bits
 SD_HD_INLINE float exp_approx(float x) {
   const bool tiny = !(x > expc::kTiny);  // also -inf and NaN
   x = tiny ? 0.0f : (x < expc::kHuge ? x : expc::kHuge);
   // n = round(x / ln 2) with the 1.5 * 2^23 trick (exact for |n| < 2^22, no libm floor).
   const float n = fsub(ffma(x, expc::kLog2e, expc::kMagic), expc::kMagic);
-  const float r = ffma(n, -expc::kLn2Lo, ffma(n, -expc::kLn2Hi, x));
-  float p = expc::kC6;
-  p = ffma(p, r, expc::kC5);
+  const float r = ffma(n, -expc::kLn2, x);
+  float p = expc::kC5;
   p = ffma(p, r, expc::kC4);
   p = ffma(p, r, expc::kC3);
   p = ffma(p, r, expc::kC2);
