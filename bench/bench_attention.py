@@ -19,6 +19,7 @@ it: the ceiling for those exact buffers.
 
 Run under the shared lock so benchmarks never overlap:
     flock /tmp/specdecode-bench.lock python bench/bench_attention.py [--quick] [--device cuda]
+        [--isa avx512bf16 | avx512 | avx2 | generic]
 """
 
 from __future__ import annotations
@@ -139,7 +140,15 @@ def main() -> None:
         help="only T=1 for B in {1, 2, 4, 8} and S in {4096, 16384}: KV GB/s against the read "
         "bandwidth measured interleaved (S=16384 does not fit any cache)",
     )
+    parser.add_argument(
+        "--isa",
+        default="",
+        help="CPU kernels to run: avx512bf16, avx512, avx2 or generic (default: the widest this "
+        "CPU has), to measure a narrower instruction set on a wider machine",
+    )
     args = parser.parse_args()
+    if args.isa and not specdecode._C.set_attention_isa(args.isa):
+        parser.error(f"--isa {args.isa}: not available on this CPU or build")
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     threads = specdecode.get_num_threads()
