@@ -41,6 +41,14 @@ using verify::ScanResult;
 #include "verify_cpu_exec.inc"
 #undef SD_CPU_EXEC
 
+// verify::combine_lanes of the 8 canonical lanes held in a register (both vector layers; AVX-512
+// code may inline it, its target being a subset of theirs).
+inline float combine_lanes(__m256 acc) {
+  alignas(32) float l[8];
+  _mm256_store_ps(l, acc);
+  return verify::combine_lanes(l);
+}
+
 namespace v256 {
 
 using Vec = __m256;
@@ -128,13 +136,6 @@ inline Vec exp_v(Vec x) {
 // Adds the 8 weights of one vector to the 8 canonical lanes of its chunk (element i into lane
 // i % 8), as verify::chunk_sum's lane loop does.
 inline __m256 add_lanes(__m256 acc, Vec w) { return _mm256_add_ps(acc, w); }
-
-// ((0+1)+(2+3))+((4+5)+(6+7)), the canonical lane combination.
-inline float combine_lanes(__m256 acc) {
-  alignas(32) float l[8];
-  _mm256_store_ps(l, acc);
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
 
 #define SD_SIMD_BASE CpuExecAvx2Generic
 #include "verify_cpu_simd.inc"
@@ -260,13 +261,6 @@ inline Vec exp_v(Vec x) {
 inline __m256 add_lanes(__m256 acc, Vec w) {
   acc = _mm256_add_ps(acc, _mm512_castps512_ps256(w));
   return _mm256_add_ps(acc, _mm512_extractf32x8_ps(w, 1));
-}
-
-// ((0+1)+(2+3))+((4+5)+(6+7)), the canonical lane combination.
-inline float combine_lanes(__m256 acc) {
-  alignas(32) float l[8];
-  _mm256_store_ps(l, acc);
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
 #define SD_SIMD_BASE CpuExecAvx512Generic

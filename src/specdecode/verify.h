@@ -152,7 +152,7 @@ SD_HD_INLINE bool is_finite(float x) { return x >= -kFloatMax && x <= kFloatMax;
 // inv_temp rounded, already carries a relative error of |s_i| 2^-24 (1.8e-6 at |s_i| = 30).
 namespace expc {
 constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+constexpr float kMagic = 12582912.0f;             // 1.5 * 2^23: adding it rounds to an integer
 constexpr float kLn2 = 0.693147182464599609375f;  // ln 2 rounded to float
 constexpr float kC2 = 0x1.fffe04p-2f;
 constexpr float kC3 = 0x1.55565ap-3f;
