@@ -43,7 +43,11 @@ constexpr int kRowTile = 8;           // query rows per register tile
 // The streaming prefix path (AVX-512, at most kStreamRows query rows per KV head): keys per
 // block. Scores of a block are one 16-lane vector per query row.
 constexpr int kStreamKeys = 16;
-constexpr int kStreamRows = 8;
+// Up to 16 rows (T <= 4 at GQA 4) the streaming path is faster than the tiles: from DRAM, same
+// inputs in alternating processes, T = 3 and 4 took 5-25 % less time (fp32 and bf16, B = 1 and 8,
+// S = 4096 and 16384; bench/RESULTS.md); the tiles transpose every key block and read each KV
+// head's keys a 4 KiB page apart, which costs more than the per-key lane sums at that row count.
+constexpr int kStreamRows = 16;
 
 // ---- element access ------------------------------------------------------------------------
 
