@@ -40,14 +40,9 @@ namespace {
 constexpr int kBlock = 64;            // keys per block: 4 vectors of 16 floats
 constexpr int64_t kSplitKeys = 2048;  // prefix keys per work item (a multiple of kBlock)
 constexpr int kRowTile = 8;           // query rows per register tile
-// The streaming prefix path (AVX-512, at most kStreamRows query rows per KV head): keys per
-// block. Scores of a block are one 16-lane vector per query row.
+// The streaming prefix path (AVX-512 and AVX2, at most K::kStreamRows query rows per KV head):
+// keys per block. Scores of a block are 16 floats per query row.
 constexpr int kStreamKeys = 16;
-// Up to 16 rows (T <= 4 at GQA 4) the streaming path is faster than the tiles: from DRAM, same
-// inputs in alternating processes, T = 3 and 4 took 5-25 % less time (fp32 and bf16, B = 1 and 8,
-// S = 4096 and 16384; bench/RESULTS.md); the tiles transpose every key block and read each KV
-// head's keys a 4 KiB page apart, which costs more than the per-key lane sums at that row count.
-constexpr int kStreamRows = 16;
 
 // ---- element access ------------------------------------------------------------------------
 
@@ -141,6 +136,7 @@ SD_FORCE_INLINE void generic_pv(const float* p, int rows, int n, const typename 
 
 struct GenericKernels {
   static constexpr bool kStream = false;  // no stream_scores: prefix blocks use the tiles
+  static constexpr int kStreamRows = 0;
   template <AttnDType DT>
   static void load_kt(const typename Elem<DT>::T* k, int64_t rs, int n, int d, float* kt) {
     generic_load_kt<DT>(k, rs, n, d, kt);
@@ -172,6 +168,9 @@ struct GenericKernels {
 #define SD_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
 // ---- AVX2 kernels --------------------------------------------------------------------------
+
+// A hint that parks a line in L2 (prefetcht1), not L1: see stream_range.
+SD_FORCE_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 // The tile path of the AVX-512 kernels on 8-lane vectors (no streaming prefix path): keys
 // transposed 8 x 8 in registers, register-blocked score and P V tiles of at most 4 rows x 2
 // vectors (16 ymm registers), and a vectorised exp2. The portable bodies compiled for AVX2 ran
@@ -258,16 +257,29 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void scores_rows8(const float* q, int d, const fl
   for (int c = 0; c < kBlock; c += 16) scores_tile8<RB, 2>(q, d, kt + c, s + c);
 }
 
-// o[r][c0 .. c0 + 8 CV) = alpha[r] * o + sum_j p[r][j] v[j] for RB rows.
+// o[r][c0 .. c0 + 8 CV) = alpha[r] * o + sum_j p[r][j] v[j] for RB rows. With n_next > 0 it
+// also hints the same columns of the next block's keys and values into L2, as pv_tile does.
 template <int RB, int CV, AttnDType VT>
 SD_TARGET_AVX2 SD_FORCE_INLINE void pv_tile8(const float* p, int n, const typename Elem<VT>::T* vb,
-                                             int64_t vs, int d, const float* alpha, float* o) {
+                                             int64_t vs, int d, const float* alpha, float* o,
+                                             const typename Elem<VT>::T* next_k = nullptr,
+                                             const typename Elem<VT>::T* next_v = nullptr,
+                                             int n_next = 0) {
+  constexpr int kTileBytes = CV * 8 * static_cast<int>(sizeof(typename Elem<VT>::T));
   __m256 acc[RB][CV];
   for (int r = 0; r < RB; ++r) {
     const __m256 a = _mm256_set1_ps(alpha[r]);
     for (int c = 0; c < CV; ++c) acc[r][c] = _mm256_mul_ps(a, _mm256_loadu_ps(o + r * d + 8 * c));
   }
   for (int j = 0; j < n; ++j) {
+    if (j < n_next) {
+      const char* nk = reinterpret_cast<const char*>(next_k + j * vs);
+      const char* nv = reinterpret_cast<const char*>(next_v + j * vs);
+      for (int b = 0; b < kTileBytes; b += 64) {
+        prefetch_l2(nk + b);
+        prefetch_l2(nv + b);
+      }
+    }
     __m256 v[CV];
     for (int c = 0; c < CV; ++c) v[c] = load8<VT>(vb + j * vs + 8 * c);
     for (int r = 0; r < RB; ++r) {
@@ -284,12 +296,114 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void pv_tile8(const float* p, int n, const typena
 // of 16.
 template <int RB, AttnDType VT>
 SD_TARGET_AVX2 SD_FORCE_INLINE void pv_rows8(const float* p, int n, const typename Elem<VT>::T* vb,
-                                             int64_t vs, int d, const float* alpha, float* o) {
-  for (int c = 0; c < d; c += 16) pv_tile8<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c);
+                                             int64_t vs, int d, const float* alpha, float* o,
+                                             const typename Elem<VT>::T* next_k = nullptr,
+                                             const typename Elem<VT>::T* next_v = nullptr,
+                                             int n_next = 0) {
+  for (int c = 0; c < d; c += 16) {
+    pv_tile8<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c, next_k ? next_k + c : nullptr,
+                        next_v ? next_v + c : nullptr, n_next);
+  }
+}
+
+// ---- AVX2 streaming prefix scores (see the AVX-512 ones below) ------------------------------
+// Scores are per-key dot products: one 8-lane partial vector per (query row, key), summed across
+// lanes 8 keys at a time by reduce8. A head dim of 128 fp32 values is 16 vectors, all of AVX2's
+// registers, so the key is not held in registers across the rows: each row reloads it from L1
+// (the prefix is memory bound at these row counts).
+
+// y[j] = sum of the 8 lanes of x[8 j .. 8 j + 8) for j < 8 (x: 8 vectors, 32-byte aligned).
+SD_TARGET_AVX2 SD_FORCE_INLINE __m256 reduce8(const float* x) {
+  __m256 a[4];
+  for (int i = 0; i < 4; ++i) {
+    a[i] = _mm256_hadd_ps(_mm256_load_ps(x + 16 * i), _mm256_load_ps(x + 16 * i + 8));
+  }
+  // Per 128-bit lane L: the lane-L pair sums of vectors 0, 1, 2, 3 (and 4 .. 7 in b1).
+  const __m256 b0 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 b1 = _mm256_hadd_ps(a[2], a[3]);
+  // Lane L of b0 holds the half sums (lane L of the 128-bit halves) of vectors 0 .. 3.
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// Sums part rows [hr][kStreamKeys keys][8 lanes] into s[hr * kBlock + j] (times mult); key slots
+// >= n are zeroed first, so every lane summed is initialised.
+SD_TARGET_AVX2 SD_FORCE_INLINE void stream_reduce8(float* part, int hr, int n, float mult,
+                                                   float* s) {
+  const __m256 m = _mm256_set1_ps(mult);
+  for (int i = 0; i < hr; ++i) {
+    float* x = part + i * kStreamKeys * 8;
+    for (int j = n; j < kStreamKeys; ++j) _mm256_store_ps(x + 8 * j, _mm256_setzero_ps());
+    for (int g = 0; g < kStreamKeys; g += 8) {
+      _mm256_store_ps(s + i * kBlock + g, _mm256_mul_ps(reduce8(x + 8 * g), m));
+    }
+  }
+}
+
+// Partial score vectors of keys [0, n) of a block for every query row of `heads` KV heads (fp32
+// query rows, pre-scaled; keys converted in registers). The block's keys and values were hinted
+// into L2 during the previous block's P V.
+template <int D, AttnDType DT>
+SD_TARGET_AVX2 void stream_partials8(const float* q, int heads, int rows,
+                                     const typename Elem<DT>::T* k, int64_t rs, int64_t hs, int n,
+                                     float* part) {
+  constexpr int CV = D / 8;
+  for (int j = 0; j < n; ++j) {
+    for (int h = 0; h < heads; ++h) {
+      const typename Elem<DT>::T* kr = k + j * rs + h * hs;
+      for (int r = 0; r < rows; ++r) {
+        const float* qr = q + static_cast<int64_t>(h * rows + r) * D;
+        // Two chains halve the FMA latency on the critical path.
+        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qr), load8<DT>(kr));
+        __m256 a1 = _mm256_setzero_ps();
+        for (int c = 1; c < CV; ++c) {
+          const __m256 kc = load8<DT>(kr + 8 * c);
+          if (c & 1)
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), kc, a1);
+          else
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), kc, a0);
+        }
+        _mm256_store_ps(part + ((h * rows + r) * kStreamKeys + j) * 8, _mm256_add_ps(a0, a1));
+      }
+    }
+  }
 }
 
 struct Avx2Kernels {
-  static constexpr bool kStream = false;  // the prefix uses the tiles, as on the generic path
+  static constexpr bool kStream = true;
+  // Up to 8 rows (T <= 2 at GQA 4) the streaming path is faster than the AVX2 tiles: from DRAM,
+  // alternating processes, T = 1 took 35-60 % less time (fp32 and bf16, B = 1 and 8, S = 4096
+  // and 16384) and T = 2 fp32 30 % less; at 16 rows (T = 4) it was no faster, slower for bf16 at
+  // B = 8 (each row reloads and converts the key: 16 vectors are all of AVX2's registers).
+  static constexpr int kStreamRows = 8;
+  // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
+  // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
+  // heads * rows * kStreamKeys * 8 floats of scratch.
+  template <AttnDType DT>
+  SD_TARGET_AVX2 static void stream_scores(const float* q, int heads, int rows, int d,
+                                           const typename Elem<DT>::T* k, int64_t rs, int64_t hs,
+                                           int n, float, float* part, float* s) {
+    switch (d) {
+      case 32:
+        stream_partials8<32, DT>(q, heads, rows, k, rs, hs, n, part);
+        break;
+      case 64:
+        stream_partials8<64, DT>(q, heads, rows, k, rs, hs, n, part);
+        break;
+      case 80:
+        stream_partials8<80, DT>(q, heads, rows, k, rs, hs, n, part);
+        break;
+      case 96:
+        stream_partials8<96, DT>(q, heads, rows, k, rs, hs, n, part);
+        break;
+      case 128:
+        stream_partials8<128, DT>(q, heads, rows, k, rs, hs, n, part);
+        break;
+      default:
+        stream_partials8<256, DT>(q, heads, rows, k, rs, hs, n, part);
+        break;
+    }
+    stream_reduce8(part, heads * rows, n, 1.0f, s);
+  }
   template <AttnDType DT>
   SD_TARGET_AVX2 static void load_kt(const typename Elem<DT>::T* k, int64_t rs, int n, int d,
                                      float* kt) {
@@ -339,12 +453,21 @@ struct Avx2Kernels {
     }
   }
   SD_TARGET_AVX2 static float softmax_row(float* s, uint64_t visible, SoftmaxState* state) {
+    return softmax_vectors<kBlock / 8>(s, visible, state);
+  }
+  // softmax_row for the first 16 scores of a row (a streaming block): two vectors, not eight.
+  SD_TARGET_AVX2 static float softmax_row16(float* s, uint32_t visible, SoftmaxState* state) {
+    return softmax_vectors<kStreamKeys / 8>(s, visible, state);
+  }
+  // The online-softmax update of the first 8 NV scores of a row, turned into weights in place.
+  template <int NV>
+  SD_TARGET_AVX2 static float softmax_vectors(float* s, uint64_t visible, SoftmaxState* state) {
     // Lane l of vector c is visible when bit 8 c + l of `visible` is set.
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    __m256 x[kBlock / 8];
+    __m256 x[NV];
     __m256 mx = ninf;
-    for (int c = 0; c < kBlock / 8; ++c) {
+    for (int c = 0; c < NV; ++c) {
       const __m256i bits = _mm256_set1_epi32(static_cast<int>((visible >> (8 * c)) & 0xFFu));
       const __m256 on = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(bits, bit), bit));
       x[c] = _mm256_blendv_ps(ninf, _mm256_load_ps(s + 8 * c), on);
@@ -356,7 +479,7 @@ struct Avx2Kernels {
     const float alpha = softmax_rescale(state, _mm_cvtss_f32(m4));
     const __m256 ref = _mm256_set1_ps(softmax_reference(state->m));
     __m256 sum = _mm256_setzero_ps();
-    for (int c = 0; c < kBlock / 8; ++c) {
+    for (int c = 0; c < NV; ++c) {
       const __m256 e = exp2_avx2(_mm256_sub_ps(x[c], ref));
       _mm256_store_ps(s + 8 * c, e);
       sum = _mm256_add_ps(sum, e);
@@ -370,19 +493,31 @@ struct Avx2Kernels {
   template <AttnDType VT>
   SD_TARGET_AVX2 static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
                                 int64_t vs, int d, const float* alpha, float* o) {
+    pv_stream<VT>(p, rows, n, vb, vs, d, alpha, o, nullptr, nullptr, 0);
+  }
+  // pv that also hints the next block's keys and values (n_next rows at next_k / next_v, strides
+  // vs) into L2, during its first row tile only (see stream_range).
+  template <AttnDType VT>
+  SD_TARGET_AVX2 static void pv_stream(const float* p, int rows, int n,
+                                       const typename Elem<VT>::T* vb, int64_t vs, int d,
+                                       const float* alpha, float* o,
+                                       const typename Elem<VT>::T* next_k,
+                                       const typename Elem<VT>::T* next_v, int n_next) {
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-      pv_rows8<4, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
+      pv_rows8<4, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v,
+                      r == 0 ? n_next : 0);
     }
+    const int hint = r == 0 ? n_next : 0;
     switch (rows - r) {
       case 1:
-        pv_rows8<1, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
+        pv_rows8<1, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v, hint);
         break;
       case 2:
-        pv_rows8<2, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
+        pv_rows8<2, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v, hint);
         break;
       case 3:
-        pv_rows8<3, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d);
+        pv_rows8<3, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v, hint);
         break;
       default:
         break;
@@ -472,9 +607,6 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void scores_tile(const float* q, int d, const f
   }
 }
 
-// A hint that parks a line in L2 (prefetcht1), not L1: see stream_range.
-SD_FORCE_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
-
 // o[r][c0 .. c0 + 16 CV) = alpha[r] * o + sum_j p[r][j] v[j] for RB rows. With n_next > 0 it
 // also hints, for j < n_next, the same columns of rows next_k + j * vs and next_v + j * vs (the
 // next block of the streaming path, same strides as vb): one line of each per line of v read,
@@ -539,7 +671,7 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void pv_rows(const float* p, int n, const typen
 }
 
 // ---- streaming prefix scores (few query rows per KV head) ----------------------------------
-// With at most kStreamRows query rows per KV head the work per key is small and the kernel is
+// With at most K::kStreamRows query rows per KV head the work per key is small and the kernel is
 // bound by how fast the cache can be read. The cache [S, Hkv, D] is then read in address order
 // (key-major, every KV head of a key before the next key), the order the hardware prefetchers
 // follow; the tile path above reads each head's keys Hkv * D elements apart instead, one new
@@ -678,6 +810,12 @@ SD_TARGET_AVX512 void stream_partials_rows_f32(const float* q, int heads, int ro
 
 struct Avx512Kernels {
   static constexpr bool kStream = true;
+  // Up to 16 rows (T <= 4 at GQA 4) the streaming path is faster than the tiles: from DRAM, same
+  // inputs in alternating processes, T = 3 and 4 took 5-25 % less time (fp32 and bf16, B = 1
+  // and 8, S = 4096 and 16384; bench/RESULTS.md); the tiles transpose every key block and read
+  // each KV head's keys a 4 KiB page apart, which costs more than the per-key lane sums at that
+  // row count. 32 rows (T = 8) was no better.
+  static constexpr int kStreamRows = 16;
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * 256 floats of scratch.
@@ -1200,7 +1338,7 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
 // Whether the prefix of a work item takes the streaming path (see stream_partials_f32).
 template <class K>
 bool use_stream(const Shape& sh) {
-  return K::kStream && sh.rows <= kStreamRows;
+  return K::kStream && sh.rows <= K::kStreamRows;
 }
 
 // The prefix keys [begin, end) of the item's KV heads, read key-major in blocks of kStreamKeys:

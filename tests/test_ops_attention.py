@@ -110,9 +110,9 @@ def test_decode_and_short_chains_dtypes(isa, dtype, d, t):
 @pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
 def test_streaming_prefix_every_head_dim(isa, dtype, d, t):
-    # 4 to 16 query rows per KV head: on AVX-512 the prefix is read key-major with per-key dot
-    # products (blocks of 16 keys). 517 keys give two splits of the grouped layout and a last
-    # partial block of 5 keys; 16 keys exactly one block; 0 keys none.
+    # 4 to 16 query rows per KV head: on AVX-512 (up to 16) and AVX2 (up to 8) the prefix is
+    # read key-major with per-key dot products (blocks of 16 keys). 517 keys give two splits of
+    # the grouped layout and a last partial block of 5 keys; 16 keys exactly one block; 0 none.
     q, k, v, lens, gen = make_case(3, t, 8, 2, d, [517, 16, 0], dtype, strided=True, seed=d * t)
     check(q, k, v, lens, None)
     check(q, k, v, lens, ops.tree_info(random_parents(3, t, gen)).mask)
@@ -124,9 +124,9 @@ def test_streaming_prefix_every_head_dim(isa, dtype, d, t):
 SPLIT_EDGE_PREFIXES = [0, 1, 2, 15, 17, 255, 256, 257, 513, 1001]
 
 
-# The streaming prefix path exists on the AVX-512 paths only; the others run the tiles, which
-# the other tests cover under every ISA.
-STREAM_ISAS = [isa for isa in ("avx512bf16", "avx512") if isa in ISAS] or [""]
+# The streaming prefix path exists on the AVX-512 and AVX2 paths; the generic one runs the tiles,
+# which the other tests cover under every ISA.
+STREAM_ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2") if isa in ISAS] or [""]
 
 
 @pytest.mark.parametrize("isa_name", STREAM_ISAS)
@@ -135,9 +135,9 @@ STREAM_ISAS = [isa for isa in ("avx512bf16", "avx512") if isa in ISAS] or [""]
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (6, 1), (3, 3)])
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
 def test_decode_split_edges(isa_name, t, hq, hkv, d, dtype):
-    # T = 1..4 with GQA ratios 4, 6 and 1: up to 16 query rows per KV head take the streaming
-    # prefix path on AVX-512 (every KV head of a key before the next key), more (T = 3 and 4 at
-    # GQA 6) take the tiles.
+    # T = 1..4 with GQA ratios 4, 6 and 1: up to 16 query rows per KV head on AVX-512 and 8 on
+    # AVX2 take the streaming prefix path (every KV head of a key before the next key), more take
+    # the tiles.
     # Ragged prefixes in one batch give sequences with empty leading splits, and the caches are
     # strided views into a larger buffer. GQA 4 at T = 2 and GQA 6 (more than 4 rows per KV head)
     # read two keys per step, the other streaming cases one.
