@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -66,6 +67,27 @@ struct Elem<AttnDType::kBFloat16> {
   static float load(const T* p) { return bf16_to_float(*p); }
   static T store(float f) { return float_to_bf16(f); }
 };
+
+// ---- head dims -------------------------------------------------------------------------------
+// fn(std::integral_constant<int, D>{}) for the compile-time head dim D equal to d (32, 64, 80, 96,
+// 128; any other validated d is 256), for the kernels whose register arrays are sized by D.
+template <class Fn>
+SD_FORCE_INLINE void with_head_dim(int d, const Fn& fn) {
+  switch (d) {
+    case 32:
+      return fn(std::integral_constant<int, 32>{});
+    case 64:
+      return fn(std::integral_constant<int, 64>{});
+    case 80:
+      return fn(std::integral_constant<int, 80>{});
+    case 96:
+      return fn(std::integral_constant<int, 96>{});
+    case 128:
+      return fn(std::integral_constant<int, 128>{});
+    default:
+      return fn(std::integral_constant<int, 256>{});
+  }
+}
 
 // ---- portable kernels ----------------------------------------------------------------------
 // Layouts: kt [D][kBlock] (transposed keys, zero past n), vb [n][D], s/p [rows][kBlock],
@@ -382,26 +404,9 @@ struct Avx2Kernels {
   SD_TARGET_AVX2 static void stream_scores(const float* q, int heads, int rows, int d,
                                            const typename Elem<DT>::T* k, int64_t rs, int64_t hs,
                                            int n, float, float* part, float* s) {
-    switch (d) {
-      case 32:
-        stream_partials8<32, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 64:
-        stream_partials8<64, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 80:
-        stream_partials8<80, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 96:
-        stream_partials8<96, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 128:
-        stream_partials8<128, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      default:
-        stream_partials8<256, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-    }
+    with_head_dim(d, [&](auto dim) {
+      stream_partials8<decltype(dim)::value, DT>(q, heads, rows, k, rs, hs, n, part);
+    });
     stream_reduce8(part, heads * rows, n, 1.0f, s);
   }
   template <AttnDType DT>
@@ -823,26 +828,9 @@ struct Avx512Kernels {
   SD_TARGET_AVX512 static void stream_scores(const float* q, int heads, int rows, int d,
                                              const typename Elem<DT>::T* k, int64_t rs, int64_t hs,
                                              int n, float, float* part, float* s) {
-    switch (d) {
-      case 32:
-        stream_partials_rows_f32<32, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 64:
-        stream_partials_rows_f32<64, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 80:
-        stream_partials_rows_f32<80, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 96:
-        stream_partials_rows_f32<96, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 128:
-        stream_partials_rows_f32<128, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      default:
-        stream_partials_rows_f32<256, DT>(q, heads, rows, k, rs, hs, n, part);
-        break;
-    }
+    with_head_dim(d, [&](auto dim) {
+      stream_partials_rows_f32<decltype(dim)::value, DT>(q, heads, rows, k, rs, hs, n, part);
+    });
     stream_reduce(part, heads * rows, n, 1.0f, s);
   }
   template <AttnDType DT>
@@ -1095,26 +1083,9 @@ struct Avx512Bf16Kernels : Avx512Kernels {
                                                  const uint16_t* k, int64_t rs, int64_t hs, int n,
                                                  float mult, float* part, float* s) {
     static_assert(DT == AttnDType::kBFloat16, "bf16 only");
-    switch (d) {
-      case 32:
-        stream_partials_rows_bf16<32>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 64:
-        stream_partials_rows_bf16<64>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 80:
-        stream_partials_rows_bf16<80>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 96:
-        stream_partials_rows_bf16<96>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      case 128:
-        stream_partials_rows_bf16<128>(q, heads, rows, k, rs, hs, n, part);
-        break;
-      default:
-        stream_partials_rows_bf16<256>(q, heads, rows, k, rs, hs, n, part);
-        break;
-    }
+    with_head_dim(d, [&](auto dim) {
+      stream_partials_rows_bf16<decltype(dim)::value>(q, heads, rows, k, rs, hs, n, part);
+    });
     stream_reduce(part, heads * rows, n, mult, s);
   }
   // kt holds, for each pair of dims (2i, 2i + 1), the 32-bit words (k[j][2i], k[j][2i + 1]) of
