@@ -7,8 +7,10 @@ Run (benchmarks must never overlap):
 
 Cases: B in {1, 8, 64}; chains of k in {4, 8} drafts and a 64-node tree (a binary heap tree,
 siblings sampled from q without replacement); V in {32000, 128256}; target logits and target
-probabilities (float32). Every case has draft probabilities q and draft tokens sampled from q,
-with q close to the target (so that several drafts get accepted, as in practice).
+probabilities (float32). These cases have draft probabilities q and draft tokens sampled from q,
+with q close to the target (so that several drafts get accepted, as in practice). "chain k=4,
+no q" takes the same tokens as deterministic drafts (an n-gram or prompt-lookup drafter: no
+``draft_probs``; a draft is accepted with p(x), the correction comes from p without it).
 
 Baselines measured in the same run:
 * ``torch``: the vectorised pure-PyTorch exact chain verification of tests/reference_verify.py
@@ -81,19 +83,28 @@ def memory_bandwidth() -> float:
     return x.numel() * 4 / t / 1e9
 
 
-def rows_read(parents: list[int] | None, n: int, path: torch.Tensor, accepted: torch.Tensor) -> int:
+def rows_read(
+    parents: list[int] | None,
+    n: int,
+    path: torch.Tensor,
+    accepted: torch.Tensor,
+    with_q: bool = True,
+) -> int:
     """Target and draft rows a sequence's exact verification must read, from its result.
 
     ``path``: int ``[D+1]`` node indices (root first), ``accepted``: number of accepted nodes.
-    Target rows: every node of the path (the root and the accepted nodes). Draft rows: the q row
-    of each path node where a child was rejected before the walk went on (its accepted child is
-    not its first one) and of the stop node if it has children (all of them were rejected).
+    Target rows: every node of the path (the root and the accepted nodes). Draft rows (only
+    ``with_q``, drafts sampled from q; deterministic drafts have none): the q row of each path
+    node where a child was rejected before the walk went on (its accepted child is not its first
+    one) and of the stop node if it has children (all of them were rejected).
     """
     par = list(range(-1, n - 1)) if parents is None else parents
     first_child: dict[int, int] = {}
     for i in range(1, n):
         first_child.setdefault(par[i], i)
     nodes = path[: accepted + 1].tolist()
+    if not with_q:
+        return len(nodes)
     draft_rows = sum(1 for a, c in zip(nodes, nodes[1:]) if first_child[a] != c)
     draft_rows += int(nodes[-1] in first_child)
     return len(nodes) + draft_rows
@@ -102,10 +113,11 @@ def rows_read(parents: list[int] | None, n: int, path: torch.Tensor, accepted: t
 def native_op(target, q, tokens, parents, kind: str):
     """The op on one case as a timeable closure, with the rows it must read.
 
-    Returns ``(fn, rows, visited, bytes_read)``: ``rows`` is the target input of ``kind``
-    ("logits" or "probs"), ``visited`` the target rows on the accepted paths (``B`` roots plus
-    the accepted nodes), ``bytes_read`` the target and draft rows of :func:`rows_read` summed
-    over the batch, V * 4 bytes each.
+    ``q`` None: deterministic drafts (no ``draft_probs``, as from an n-gram drafter). Returns
+    ``(fn, rows, visited, bytes_read)``: ``rows`` is the target input of ``kind`` ("logits" or
+    "probs"), ``visited`` the target rows on the accepted paths (``B`` roots plus the accepted
+    nodes), ``bytes_read`` the target and draft rows of :func:`rows_read` summed over the batch,
+    V * 4 bytes each.
     """
     b, n, v = target.shape
     logits = kind == "logits"
@@ -125,7 +137,9 @@ def native_op(target, q, tokens, parents, kind: str):
     path, accepted = res.path.cpu(), res.num_accepted.cpu()
     visited = int(accepted.sum()) + b
     parents_list = None if parents is None else parents[0].tolist()
-    total = sum(rows_read(parents_list, n, path[i], int(accepted[i])) for i in range(b))
+    total = sum(
+        rows_read(parents_list, n, path[i], int(accepted[i]), q is not None) for i in range(b)
+    )
     return fn, rows, visited, total * v * 4
 
 
@@ -223,9 +237,11 @@ def flashinfer_chain():
     return run
 
 
-def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling, fi_chain) -> list[str]:
+def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling, fi_chain, with_q=True) -> list[str]:
     out = []
     target, q, tokens = make_case(b, parents_list, n, v, gen)
+    if not with_q:
+        q = None
     parents = None
     if parents_list is not None:
         parents = torch.tensor(parents_list, dtype=torch.int32, device=DEVICE)
@@ -236,7 +252,7 @@ def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling, fi_chain) -> lis
         t_native = timeit(native)
         gbs = bytes_read / t_native / 1e9
         t_torch = t_hf = t_fi = float("nan")
-        if parents_list is None and fi_chain is not None:
+        if parents_list is None and fi_chain is not None and q is not None:
 
             def fi(rows=rows, logits=logits):
                 return fi_chain(torch.softmax(rows, -1) if logits else rows, q, tokens)
@@ -248,7 +264,7 @@ def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling, fi_chain) -> lis
                 return torch_verify_chain(rows, q, tokens, target_is_logits=logits)
 
             t_torch = timeit(baseline)
-            if b == 1 and logits and hf_sampling is not None:
+            if b == 1 and logits and hf_sampling is not None and q is not None:
                 k = n - 1
                 ids = tokens[:, 1:]
                 cand_logits = torch.log(q[:, :k])
@@ -330,16 +346,21 @@ def main() -> None:
     except ImportError:  # pragma: no cover
         _speculative_sampling = None
     heap = [-1] + [(i - 1) // 2 for i in range(1, 64)]
-    shapes = [("chain k=4", None, 5), ("chain k=8", None, 9), ("tree 64", heap, 64)]
+    shapes = [
+        ("chain k=4", None, 5, True),
+        ("chain k=8", None, 9, True),
+        ("tree 64", heap, 64, True),
+        ("chain k=4, no q", None, 5, False),
+    ]
     batches = [8] if args.quick else [1, 8, 64]
     vocabs = (32000, 128256)
     if args.goal_row:
         shapes, batches, vocabs = shapes[:1], [64], (128256,)
-    for name, parents_list, n in shapes:
+    for name, parents_list, n, with_q in shapes:
         for v in vocabs:
             for b in batches:
                 lines += run_case(
-                    name, parents_list, n, v, b, gen, bw, _speculative_sampling, fi_chain
+                    name, parents_list, n, v, b, gen, bw, _speculative_sampling, fi_chain, with_q
                 )
     after = (
         f"memory bandwidth after the cases: {memory_bandwidth():.1f} GB/s "

@@ -147,7 +147,7 @@ def outcome_distribution(
 
 def torch_verify_chain(
     target: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
     tokens: torch.Tensor,
     temperature: float = 1.0,
     generator: Optional[torch.Generator] = None,
@@ -156,8 +156,9 @@ def torch_verify_chain(
     """Vectorised exact verification of B chains of k drafts (the usual PyTorch formulation).
 
     ``target`` [B, k+1, V] logits (or probabilities), ``draft_probs`` [B, k+1, V] (row i is q of
-    the draft at node i + 1), ``tokens`` [B, k+1] with the root first. Returns
-    (emitted [B, k+1] padded with -1, num_emitted [B]).
+    the draft at node i + 1; None for deterministic drafts such as n-gram ones: a draft is then
+    accepted with p(x) and the correction drawn from p without x), ``tokens`` [B, k+1] with the
+    root first. Returns (emitted [B, k+1] padded with -1, num_emitted [B]).
     """
     b, n, v = target.shape
     k = n - 1
@@ -165,18 +166,27 @@ def torch_verify_chain(
         p = torch.softmax(target.float() / temperature, dim=-1)
     else:
         p = target.float()
-    q = draft_probs.float()
     drafts = tokens[:, 1:].long()
     px = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    qx = q[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    if draft_probs is None:
+        qx = torch.ones_like(px)
+    else:
+        q = draft_probs.float()
+        qx = q[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     u = torch.rand((b, k), generator=generator, device=target.device)
     accepted = u * qx < px
     # Number of leading accepts.
     num_acc = torch.cumprod(accepted.int(), dim=1).sum(1)
     rows = torch.arange(b, device=target.device)
     stop_p = p[rows, num_acc]
-    stop_q = q[rows, num_acc]
     rejected = num_acc < k
+    if draft_probs is None:
+        # q is the one-hot of the rejected draft: p - q clamped is p without that token.
+        stop_q = torch.zeros_like(stop_p)
+        stop_x = drafts.gather(1, num_acc.clamp(max=k - 1).unsqueeze(1))
+        stop_q.scatter_(1, stop_x, 1.0)
+    else:
+        stop_q = q[rows, num_acc]
     resid = torch.where(rejected.unsqueeze(-1), torch.clamp(stop_p - stop_q, min=0), stop_p)
     zero = resid.sum(-1, keepdim=True) <= 0
     resid = torch.where(zero, stop_p, resid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import reference_verify
 import torch
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_verify.py")
@@ -52,3 +53,31 @@ def test_native_op_bytes_match_the_paths():
         assert nbytes == rows * v * 4
         # At least every visited target row, at most one q row more per visited node.
         assert visited * v * 4 <= nbytes <= 2 * visited * v * 4
+
+
+def test_deterministic_drafts_read_no_q_rows():
+    gen = torch.Generator().manual_seed(4)
+    b, v = 5, 600
+    target, _, tokens = bench_verify.make_case(b, None, 5, v, gen)
+    assert bench_verify.rows_read(None, 5, path(0, 1, 2), 2, with_q=False) == 3
+    for kind in ("logits", "probs"):
+        fn, _, visited, nbytes = bench_verify.native_op(target, None, tokens, None, kind)
+        res = fn()
+        assert visited == int(res.num_accepted.sum()) + b
+        assert nbytes == visited * v * 4
+
+
+def test_torch_baseline_with_deterministic_drafts():
+    # The draft of node 1 has all the mass of row 0 and that of node 2 none of row 1: node 1 is
+    # accepted, node 2 rejected, and the correction is never the rejected token.
+    v = 50
+    target = torch.randn(64, 3, v)
+    tokens = torch.randint(0, v, (64, 3))
+    rows = torch.arange(64)
+    target[rows, 0] = -float("inf")
+    target[rows, 0, tokens[:, 1]] = 0.0
+    target[rows, 1, tokens[:, 2]] = -float("inf")
+    emitted, num = reference_verify.torch_verify_chain(target, None, tokens)
+    assert num.tolist() == [2] * 64
+    assert torch.equal(emitted[:, 0], tokens[:, 1].int())
+    assert bool((emitted[:, 1] != tokens[:, 2].int()).all())

@@ -841,6 +841,10 @@ for v in (3001, 4352):
         (probs, dict(target_is_logits=False, parents=parents, draft_probs=q)),
         (probs, dict(target_is_logits=False, parents=parents, draft_probs=q, top_k=60)),
         (logits, dict(temperature=0.6)),
+        # Deterministic siblings: the correction without the tried tokens (MaskedWeight).
+        (logits, dict(parents=parents)),
+        (logits, dict(parents=fan, top_p=0.9)),
+        (probs, dict(target_is_logits=False, parents=fan)),
         (logits, dict(draft_probs=q, top_p=0.9)),  # top-p after the one-pass scan
         (logits, dict(temperature=0.0)),
         (logits, dict(method="typical")),
@@ -1091,6 +1095,7 @@ def final_draw_cases(v: int) -> list:
         (probs, tokens, dict(target_is_logits=False, draft_probs=q)),
         (probs, tokens, dict(target_is_logits=False, draft_probs=ones)),
         (probs, tokens, dict(target_is_logits=False, draft_probs=ones, parents=tree)),
+        (probs, tokens, dict(target_is_logits=False, parents=tree)),
         (logits.bfloat16(), tokens, dict(draft_probs=q.bfloat16(), parents=tree)),
         (logits.half(), tokens, dict(draft_probs=q.half())),
         (bad_logits, tokens, dict(draft_probs=bad_q)),

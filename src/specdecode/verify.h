@@ -634,19 +634,43 @@ struct LevelWeight {
   }
 };
 
-// w with the given tokens removed (deterministic siblings already tried).
+// w with the given tokens removed (deterministic siblings already tried): the correction's
+// distribution once every deterministic child was rejected. Its canonical chunk sum is taken as
+// the row's own S_c is (the lane sum of the local weights, the removed tokens counted as 0, then
+// one multiply by g_c; see canonical_chunk_sum below), so a chunk that holds no removed token has
+// exactly the row's S_c and a backend that kept the row's local weights needs no exp for it.
 template <class T>
 struct MaskedWeight {
   RowWeight<T> weight;
   const int32_t* removed;
   int count;
-  SD_HD_INLINE float operator()(int64_t i) const {
+  SD_HD_INLINE bool is_removed(int64_t i) const {
     for (int k = 0; k < count; ++k) {
-      if (removed[k] == i) return 0.f;
+      if (removed[k] == i) return true;
     }
-    return weight(i);
+    return false;
   }
+  SD_HD_INLINE float local(int64_t i) const { return is_removed(i) ? 0.f : weight.local(i); }
+  SD_HD_INLINE float operator()(int64_t i) const { return is_removed(i) ? 0.f : weight(i); }
 };
+
+template <class T>
+struct MaskedLocal {
+  const MaskedWeight<T>* f;
+  SD_HD_INLINE float operator()(int64_t i) const { return f->local(i); }
+};
+template <class T>
+SD_HD_INLINE float canonical_chunk_sum(const MaskedWeight<T>& f, int64_t begin, int64_t end) {
+  return f.weight.from_local(chunk_sum(MaskedLocal<T>{&f}, begin, end), begin);
+}
+template <class T>
+SD_HD_INLINE float canonical_lane_sum(const MaskedWeight<T>& f, int64_t begin, int64_t end, int j) {
+  return chunk_lane_sum(MaskedLocal<T>{&f}, begin, end, j);
+}
+template <class T>
+SD_HD_INLINE float canonical_finish(const MaskedWeight<T>& f, float lanes, int64_t begin) {
+  return f.weight.from_local(lanes, begin);
+}
 
 template <class T>
 struct EntropyTerm {
