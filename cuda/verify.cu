@@ -173,6 +173,13 @@ class BlockExec {
     return key_value(prefix);
   }
 
+  // The top-p threshold by bisection over its bit patterns (one canonical pass per step).
+  template <class T>
+  __device__ uint32_t top_p_threshold(int64_t n, const verify::RowWeight<T>& f, float wanted,
+                                      uint32_t hi) {
+    return verify::top_p_bisect(*this, n, f, wanted, hi);
+  }
+
  private:
   BlockShared* sh_;
 };

@@ -1137,6 +1137,59 @@ def test_final_draw_in_slices_equals_one_pass(monkeypatch, v):
         ops.verify(torch.randn(1, 2, v), torch.zeros(1, 2, dtype=torch.int32), seed=0, offset=0)
 
 
+def top_p_rows(v: int) -> dict:
+    """Rows of several shapes for the top-p search: flat, a few heavy tokens, a power law, ties
+    at the threshold, a chunk whose scale underflows, and all mass on one token."""
+    gen = torch.Generator().manual_seed(v)
+    flat = torch.randn(v, generator=gen) * 3
+    peaky = torch.randn(v, generator=gen) * 3
+    peaky[torch.randperm(v, generator=gen)[:12]] += 25
+    ranks = torch.randperm(v, generator=gen).float() + 1
+    zipf = -1.1 * torch.log(ranks) + torch.randn(v, generator=gen) * 0.3
+    ties = torch.randint(0, 4, (v,), generator=gen).float()
+    far = torch.randn(v, generator=gen) * 2
+    far[: v // 2] -= 70.0
+    one = torch.full((v,), -1e4)
+    one[v // 3] = 0.0
+    return dict(flat=flat, peaky=peaky, zipf=zipf, ties=ties, far=far, one=one)
+
+
+@pytest.mark.parametrize("v", [50, 3001, 128256])
+def test_top_p_search_equals_bisection(monkeypatch, v):
+    """The CPU finds the top-p threshold among the row's weights with few canonical passes; the
+    CUDA kernels bisect its bit patterns (which _CPU_FINAL_SLICES >= 1 runs on the CPU). Both
+    must find the same threshold: with it the kept mass and every draw would change, which 256
+    seeds per row would show."""
+    from specdecode._ops import verify as verify_module
+
+    b = 256
+    for name, row in top_p_rows(v).items():
+        for kw in (
+            dict(top_p=0.5),
+            dict(top_p=0.9),
+            dict(top_p=0.97, temperature=0.8),
+            dict(top_p=0.9, top_k=40),
+            dict(top_p=0.3, target_is_logits=False),
+        ):
+            x = row.expand(b, v).contiguous()
+            if not kw.get("target_is_logits", True):
+                x = torch.softmax(row, -1).expand(b, v).contiguous()
+            got = []
+            for slices in (0, 1):
+                monkeypatch.setattr(verify_module, "_CPU_FINAL_SLICES", slices)
+                got.append(ops.sample(x, seed=seeds(b), offset=3, **kw).tokens)
+            assert torch.equal(got[0], got[1]), (name, kw)
+            # A chain over the same rows: the top-p search of every row on the walk.
+            tokens = torch.randint(0, v, (4, 3), generator=torch.Generator().manual_seed(1))
+            t3 = x[:12].reshape(4, 3, v)
+            res = []
+            for slices in (0, 1):
+                monkeypatch.setattr(verify_module, "_CPU_FINAL_SLICES", slices)
+                res.append(ops.verify(t3, tokens, seed=seeds(4), offset=5, **kw))
+            for a, c in zip(*res):
+                assert torch.equal(a, c), (name, kw)
+
+
 # ---- CUDA --------------------------------------------------------------------------------------
 
 

@@ -487,6 +487,32 @@ struct BadTarget {
   }
 };
 
+// The top-p threshold: the largest wmin >= 0 whose kept mass, mass(wmin) = the canonical total
+// of the row weights with w < wmin counted as 0, is still >= wanted; f is the row's weight with
+// wmin = 0, hi the bit pattern of its largest weight. mass never increases with wmin (every term
+// does not, and rounding is monotone), so bisection over the bit patterns of [0, hi] finds it,
+// one canonical pass over the row per step. The threshold is always one of the row's weights
+// (mass is constant from just above one weight up to the next), which lets a backend search
+// fewer candidates, provided it returns this same value (src/verify_cpu_exec.inc does; the
+// CUDA backend bisects).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Ex, class T>
+SD_HOST_DEVICE uint32_t top_p_bisect(Ex& ex, int64_t n, RowWeight<T> f, float wanted, uint32_t hi) {
+  uint32_t lo = 0u;
+  while (lo < hi) {
+    const uint32_t mid = lo + (hi - lo + 1u) / 2u;
+    f.wmin = bits_to_float(mid);
+    if (ex.chunk_sums(n, f, 1) >= wanted) {
+      lo = mid;
+    } else {
+      hi = mid - 1u;
+    }
+  }
+  return lo;
+}
+
 // Scans a target row, and unless only the argmax is needed (greedy), finds the top-k and top-p
 // thresholds and the total. Leaves the chunk sums of w in ex.sums(0).
 #if defined(__CUDACC__)
@@ -535,20 +561,9 @@ SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, const SeqPa
   float total = ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 0);
   if (sp.top_p < 1.f) {
     const float wanted = fmul(sp.top_p, total);
-    // mass(t) = canonical sum of {w >= t} never increases with t (rounding is monotone), so a
-    // binary search over the bit patterns of t >= 0 finds the largest t with mass(t) >= wanted.
-    uint32_t lo = 0u;
-    uint32_t hi = float_to_bits(row_weight_of(row, sp.inv_temp, st)(st.argmax));
-    while (lo < hi) {
-      const uint32_t mid = lo + (hi - lo + 1u) / 2u;
-      st.wmin = bits_to_float(mid);
-      if (ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 1) >= wanted) {
-        lo = mid;
-      } else {
-        hi = mid - 1u;
-      }
-    }
-    st.wmin = bits_to_float(lo);
+    const RowWeight<T> weight = row_weight_of(row, sp.inv_temp, st);
+    st.wmin =
+        bits_to_float(ex.top_p_threshold(n, weight, wanted, float_to_bits(weight(st.argmax))));
     total = ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 0);
   }
   st.total = total;
