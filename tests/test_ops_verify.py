@@ -586,9 +586,12 @@ def test_relaxed_outcomes_match_enumeration_on_a_tree():
     g_test(outcome_counts(res), law, "relaxed tree")
 
 
-def test_typical_acceptance_rule():
+@pytest.mark.parametrize("v", [50, 3001])
+def test_typical_acceptance_rule(v):
+    # V = 3001: twelve chunks with their own scales g_c, the entropy summed from the cached
+    # weights of the row.
     gen = torch.Generator().manual_seed(60)
-    b, n, v = 400, 4, 50
+    b, n = 400, 4
     logits = torch.randn(b, n, v, generator=gen) * 3
     tokens = torch.randint(0, v, (b, n), generator=gen)
     eps, alpha = 0.09, 0.3
@@ -613,14 +616,19 @@ def test_typical_acceptance_rule():
     assert torch.equal(res.num_accepted[~close].long(), expected[~close].long())
 
 
-def test_topk_accept_rule():
+@pytest.mark.parametrize("v", [40, 3001])
+def test_topk_accept_rule(v):
     gen = torch.Generator().manual_seed(61)
-    b, n, v, k = 400, 5, 40, 3
+    b, n, k = 400, 5, 3
     logits = torch.randn(b, n, v, generator=gen)
     tokens = torch.randint(0, v, (b, n), generator=gen)
+    # Half the drafts among the target's k + 2 most likely tokens, so that both sides of the
+    # rank boundary are tried often.
+    near = logits[:, :-1].topk(k + 2, -1).indices
+    pick = torch.randint(0, k + 2, (b, n - 1, 1), generator=gen)
     tokens[:, 1:] = torch.where(
         torch.rand(b, n - 1, generator=gen) < 0.5,
-        logits[:, :-1].topk(k, -1).indices[..., 0],
+        near.gather(-1, pick).squeeze(-1),
         tokens[:, 1:],
     )
     res = ops.verify(logits, tokens, seed=seeds(b), offset=0, method="topk_accept", topk_accept=k)

@@ -191,20 +191,17 @@ SD_HD_INLINE float exp_approx(float x) {
   return tiny ? 0.0f : y;
 }
 
-// Natural log of a positive finite x, about 2 ulp.
+// Natural log of a positive finite x, about 2 ulp. Branch-free (both sides computed, then
+// selected) so that CPU loops over a row vectorise.
 SD_HD_INLINE float log_approx(float x) {
-  int e = 0;
-  if (x < 1.17549435e-38f) {  // subnormal: scale into the normal range
-    x = fmul(x, 8388608.0f);
-    e = -23;
-  }
+  const bool subnormal = x < 1.17549435e-38f;  // scaled into the normal range
+  x = subnormal ? fmul(x, 8388608.0f) : x;
   const uint32_t bits = float_to_bits(x);
-  e += static_cast<int>((bits >> 23) & 0xffu) - 127;
+  int e = static_cast<int>((bits >> 23) & 0xffu) - 127 - (subnormal ? 23 : 0);
   float f = bits_to_float((bits & 0x7fffffu) | 0x3f800000u);  // [1, 2)
-  if (f > 1.41421356f) {
-    f = fmul(f, 0.5f);
-    e += 1;
-  }
+  const bool high = f > 1.41421356f;
+  f = high ? fmul(f, 0.5f) : f;
+  e += high ? 1 : 0;
   // log f = 2 atanh(s), s = (f - 1) / (f + 1), |s| < 0.172.
   const float s = fdiv(fsub(f, 1.0f), fadd(f, 1.0f));
   const float s2 = fmul(s, s);
