@@ -1145,6 +1145,35 @@ def test_final_draw_in_slices_equals_one_pass(monkeypatch, v):
         ops.verify(torch.randn(1, 2, v), torch.zeros(1, 2, dtype=torch.int32), seed=0, offset=0)
 
 
+@pytest.mark.parametrize("v", [3001, 128256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_keeps_exactly_the_k_largest(v, dtype):
+    """The CPU selects the k-th largest logit among the values above a bound from block maxima
+    (src/verify_cpu_exec.inc, kth_largest). Rows: k tokens on top with a tie at the k-th value,
+    every other token only a little lower, so a threshold one value too low admits tokens that
+    would be drawn and one too high drops kept tokens that would be missed."""
+    gen = torch.Generator().manual_seed(v + 7)
+    b = 512
+    for k in (1, 7, 50, 600, 1000):
+        row = torch.full((v,), -0.7)
+        row += torch.rand(v, generator=gen) * 0.01
+        top = torch.randperm(v, generator=gen)[: k + 1]
+        row[top] = (torch.rand(k + 1, generator=gen) * 0.01).sort(descending=True).values
+        row[top[k]] = row[top[k - 1]]  # a tie at the k-th value: both are kept
+        row = row.to(dtype)
+        kth = row.float().topk(k).values[-1]
+        allowed = row.float() >= kth
+        x = row.expand(b, v).contiguous()
+        got = ops.sample(x, top_k=k, seed=seeds(b), offset=1).tokens.long()
+        assert bool(allowed[got].all()), k
+        if int(allowed.sum()) <= 8:
+            assert set(got.tolist()) == set(torch.nonzero(allowed).flatten().tolist()), k
+        # As the first row of a chain, through verify (the walk's prepare_row).
+        probs = torch.softmax(row.float(), -1).expand(64, v).contiguous()
+        res = ops.sample(probs, top_k=k, seed=seeds(64), offset=2, target_is_logits=False)
+        assert bool(allowed[res.tokens.long()].all()), k
+
+
 def top_p_rows(v: int) -> dict:
     """Rows of several shapes for the top-p search: flat, a few heavy tokens, a power law, ties
     at the threshold, a chunk whose scale underflows, and all mass on one token."""
