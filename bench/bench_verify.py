@@ -12,6 +12,10 @@ with q close to the target (so that several drafts get accepted, as in practice)
 no q" takes the same tokens as deterministic drafts (an n-gram or prompt-lookup drafter: no
 ``draft_probs``; a draft is accepted with p(x), the correction comes from p without it).
 
+A second table times ``ops.sample`` (the non-speculative path, same processing and RNG) with
+plain, top-k 50, top-p 0.9 and top-k 50 + top-p 0.95 filtering against the usual PyTorch
+sampler (:func:`torch_sample`), B in {1, 8}, V = 128256 (``--sampling`` runs only that table).
+
 Baselines measured in the same run:
 * ``torch``: the vectorised pure-PyTorch exact chain verification of tests/reference_verify.py
   (softmax of every row, gather, cumprod of the accepts, residual of the stop row, multinomial);
@@ -218,6 +222,62 @@ def make_case(b: int, parents: list[int] | None, n: int, v: int, gen: torch.Gene
     return target.to(DEVICE), q.to(DEVICE), tokens.to(DEVICE)
 
 
+def torch_sample(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The usual PyTorch sampler (as transformers' top-k and top-p logits warpers, then softmax
+    and multinomial): top-k by ``topk``, top-p by a sort and a cumulative sum."""
+    x = logits.float()
+    if top_k > 0:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, -float("inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True, dim=-1)
+        cum = torch.softmax(sorted_x, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_x, -1) >= top_p  # keep the token that crosses top_p
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, -float("inf")))
+    return torch.multinomial(torch.softmax(x, -1), 1).squeeze(-1)
+
+
+SAMPLING = [(0, 1.0), (50, 1.0), (0, 0.9), (50, 0.95)]
+"""(top_k, top_p) of the sampling table: plain, transformers' default top-k, a common top-p,
+and both."""
+
+
+def sampling_rows(gen: torch.Generator) -> list[str]:
+    """``ops.sample`` with the usual filters against :func:`torch_sample`, B in {1, 8},
+    V = 128256. Two kinds of rows: ``randn * 3`` logits (flat: top-p 0.9 keeps most of the
+    vocabulary) and a power law (``-1.1 log rank`` plus noise, closer to a language model's
+    next-token distribution)."""
+    v = 128256
+    out = [
+        "",
+        "| logits | B | top_k | top_p | specdecode ms | torch ms | speed-up |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(out), flush=True)
+    for b in (1, 8):
+        flat = torch.randn(b, v, generator=gen) * 3
+        ranks = torch.stack([torch.randperm(v, generator=gen) for _ in range(b)]).float() + 1
+        power = -1.1 * torch.log(ranks) + torch.randn(b, v, generator=gen) * 0.3
+        for name, x in (("randn*3", flat), ("power law", power)):
+            x = x.to(DEVICE)
+            for top_k, top_p in SAMPLING:
+
+                def native(x=x, top_k=top_k, top_p=top_p):
+                    return ops.sample(x, top_k=top_k, top_p=top_p, seed=0, offset=1)
+
+                def baseline(x=x, top_k=top_k, top_p=top_p):
+                    return torch_sample(x, top_k, top_p)
+
+                t_native, t_torch = timeit(native), timeit(baseline)
+                line = (
+                    f"| {name} | {b} | {top_k} | {top_p} | {t_native * 1e3:.3f} | "
+                    f"{t_torch * 1e3:.3f} | {t_torch / t_native:.1f}x |"
+                )
+                print(line, flush=True)
+                out.append(line)
+    return out
+
+
 def flashinfer_chain():
     """FlashInfer's chain_speculative_sampling as ``fn(target_probs, q, tokens)`` in our layout
     (``q[:, i]`` drew node ``i + 1``), or None without a GPU or without flashinfer."""
@@ -300,6 +360,11 @@ def main() -> None:
         metavar="ROUNDS",
         help="only the goal row, timed in ROUNDS rounds alternating with the bandwidth probe",
     )
+    ap.add_argument(
+        "--sampling",
+        action="store_true",
+        help="only the sampling table (ops.sample with top-k / top-p against PyTorch)",
+    )
     ap.add_argument("--out", default=None, help="write the markdown table here too")
     ap.add_argument(
         "--device", default="cpu", help="cpu (default) or cuda[:N]: where the cases run"
@@ -318,6 +383,12 @@ def main() -> None:
         lines += interleaved_goal_row(args.interleaved, gen)
         lines.append(f"load average {load_average()}")
         print(lines[-1], flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        return
+    if args.sampling:
+        lines = [f"load average {load_average()}", *sampling_rows(gen)]
         if args.out:
             with open(args.out, "w") as f:
                 f.write("\n".join(lines) + "\n")
@@ -362,6 +433,8 @@ def main() -> None:
                 lines += run_case(
                     name, parents_list, n, v, b, gen, bw, _speculative_sampling, fi_chain, with_q
                 )
+    if not args.goal_row:
+        lines += sampling_rows(gen)
     after = (
         f"memory bandwidth after the cases: {memory_bandwidth():.1f} GB/s "
         f"(load average {load_average()})"

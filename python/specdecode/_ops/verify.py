@@ -149,10 +149,34 @@ def _int_rows(x: Any, name: str, batch: int, n: int, device: torch.device) -> to
         raise ValueError(f"{name}: expected shape [B, N] = [{batch}, {n}], got {list(t.shape)}")
     _same_device(t, name, device)
     if t.dtype == torch.int64:
-        if t.device.type == "cpu" and t.numel() and (t.min() < -(2**31) or t.max() >= 2**31):
-            raise ValueError(f"{name}: values must fit in int32")
+        if t.device.type == "cpu" and t.numel():
+            a = t.numpy()  # numpy's reductions cost less than torch's on these small arrays
+            if a.min() < -(2**31) or a.max() >= 2**31:
+                raise ValueError(f"{name}: values must fit in int32")
         t = t.to(torch.int32)
     return t.contiguous()
+
+
+_CONSTANTS: dict = {}
+_MAX_CONSTANTS = 256
+
+
+def _constant(value: Any, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [B] tensor filled with a scalar parameter. On the CPU it is kept for later calls with
+    the same value (decoding loops pass the same temperature, top-k, top-p and seed every step):
+    native code only reads these tensors, and they are never handed to the caller. Device
+    tensors are made anew (a kept one could be read on another stream before its fill ran), as
+    under torch.compile (no global tensors in the graph)."""
+    if device.type != "cpu" or torch.compiler.is_compiling():
+        return torch.full((batch,), value, dtype=dtype, device=device)
+    key = (type(value), value, batch, dtype)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        t = torch.full((batch,), value, dtype=dtype, device=device)
+        _CONSTANTS[key] = t
+    return t
 
 
 def _per_sequence(
@@ -179,7 +203,7 @@ def _per_sequence(
             raise TypeError(f"{name}: expected an int, got {value!r}")
         if bad(float(value)):
             raise ValueError(f"{name}: expected a value in {rng}, got {value!r}")
-        return torch.full((batch,), value, dtype=dtype, device=device)
+        return _constant(value, batch, dtype, device)
     t = _tensor(value, name)
     if integer and t.dtype not in _INTS:
         raise TypeError(f"{name}: expected an int32 or int64 array, got {t.dtype}")
@@ -199,10 +223,15 @@ def _per_sequence(
     return t.to(dtype).contiguous()
 
 
+_HARD_ERRORS = _STATUS_BAD_TREE | _STATUS_BAD_TOKEN | _STATUS_DEPTH | _STATUS_SIBLINGS
+
+
 def _raise_walk_errors(status: torch.Tensor, parents: Optional[torch.Tensor], n: int) -> None:
-    hard = status & (_STATUS_BAD_TREE | _STATUS_BAD_TOKEN | _STATUS_DEPTH | _STATUS_SIBLINGS)
-    bad = torch.nonzero(hard).flatten()
-    if bad.numel() == 0:
+    # On the host through numpy (a fraction of torch's per-op cost at these sizes); a device
+    # status is copied once.
+    hard = status.cpu().numpy() & _HARD_ERRORS
+    bad = np.flatnonzero(hard)
+    if bad.size == 0:
         return
     b = int(bad[0])
     code = int(hard[b])
