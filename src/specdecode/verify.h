@@ -420,22 +420,33 @@ SD_HD_INLINE RowWeight<T> row_weight_of(const T* row, float inv_temp, const RowS
   return RowWeight<T>{row, inv_temp, st.kth, st.scaled_max, st.wmin, st.chunk_max, st.chunk_scale};
 }
 
-// local_i of a row, as a per-token function (what S_c sums before its one multiply).
+// The weights whose canonical chunk sum is taken on their local weights and finished with ONE
+// multiply by the chunk's scale, S_c = chunk_sum(local, c) * g_c: the row weights, and the row
+// weights without some tokens (MaskedWeight, below). Such a W has local(i) and from_local(l, i).
+// Every other per-token function is summed as it is.
+template <class W>
+struct LocalSummed {
+  static constexpr bool value = false;
+};
 template <class T>
-struct RowLocal {
-  const RowWeight<T>* f;
+struct LocalSummed<RowWeight<T>> {
+  static constexpr bool value = true;
+};
+
+// local_i of a weight W, as a per-token function (what S_c sums before its one multiply).
+template <class W>
+struct LocalOf {
+  const W* f;
   SD_HD_INLINE float operator()(int64_t i) const { return f->local(i); }
 };
 
-// S_c, the canonical chunk sum of the row weights (one multiply after the lane sum), and the
-// plain canonical chunk sum of any other per-token function.
-template <class T>
-SD_HD_INLINE float canonical_chunk_sum(const RowWeight<T>& f, int64_t begin, int64_t end) {
-  return f.from_local(chunk_sum(RowLocal<T>{&f}, begin, end), begin);
-}
 template <class F>
 SD_HD_INLINE float canonical_chunk_sum(const F& f, int64_t begin, int64_t end) {
-  return chunk_sum(f, begin, end);
+  if constexpr (LocalSummed<F>::value) {
+    return f.from_local(chunk_sum(LocalOf<F>{&f}, begin, end), begin);
+  } else {
+    return chunk_sum(f, begin, end);
+  }
 }
 
 // The canonical chunk sum lane by lane. Lane j of chunk_sum holds the elements begin + j,
@@ -454,21 +465,21 @@ SD_HD_INLINE float chunk_lane_sum(const F& f, int64_t begin, int64_t end, int j)
 SD_HD_INLINE float combine_lanes(const float* l) {
   return fadd(fadd(fadd(l[0], l[1]), fadd(l[2], l[3])), fadd(fadd(l[4], l[5]), fadd(l[6], l[7])));
 }
-template <class T>
-SD_HD_INLINE float canonical_lane_sum(const RowWeight<T>& f, int64_t begin, int64_t end, int j) {
-  return chunk_lane_sum(RowLocal<T>{&f}, begin, end, j);
-}
 template <class F>
 SD_HD_INLINE float canonical_lane_sum(const F& f, int64_t begin, int64_t end, int j) {
-  return chunk_lane_sum(f, begin, end, j);
-}
-template <class T>
-SD_HD_INLINE float canonical_finish(const RowWeight<T>& f, float lanes, int64_t begin) {
-  return f.from_local(lanes, begin);
+  if constexpr (LocalSummed<F>::value) {
+    return chunk_lane_sum(LocalOf<F>{&f}, begin, end, j);
+  } else {
+    return chunk_lane_sum(f, begin, end, j);
+  }
 }
 template <class F>
-SD_HD_INLINE float canonical_finish(const F&, float lanes, int64_t) {
-  return lanes;
+SD_HD_INLINE float canonical_finish(const F& f, float lanes, int64_t begin) {
+  if constexpr (LocalSummed<F>::value) {
+    return f.from_local(lanes, begin);
+  } else {
+    return lanes;
+  }
 }
 
 template <class T>
@@ -648,9 +659,9 @@ struct LevelWeight {
 
 // w with the given tokens removed (deterministic siblings already tried): the correction's
 // distribution once every deterministic child was rejected. Its canonical chunk sum is taken as
-// the row's own S_c is (the lane sum of the local weights, the removed tokens counted as 0, then
-// one multiply by g_c; see canonical_chunk_sum below), so a chunk that holds no removed token has
-// exactly the row's S_c and a backend that kept the row's local weights needs no exp for it.
+// the row's own S_c is (LocalSummed: the lane sum of the local weights, the removed tokens
+// counted as 0, then one multiply by g_c), so a chunk that holds no removed token has exactly
+// the row's S_c and a backend that kept the row's local weights needs no exp for it.
 template <class T>
 struct MaskedWeight {
   RowWeight<T> weight;
@@ -663,26 +674,14 @@ struct MaskedWeight {
     return false;
   }
   SD_HD_INLINE float local(int64_t i) const { return is_removed(i) ? 0.f : weight.local(i); }
+  SD_HD_INLINE float from_local(float l, int64_t i) const { return weight.from_local(l, i); }
   SD_HD_INLINE float operator()(int64_t i) const { return is_removed(i) ? 0.f : weight(i); }
 };
 
 template <class T>
-struct MaskedLocal {
-  const MaskedWeight<T>* f;
-  SD_HD_INLINE float operator()(int64_t i) const { return f->local(i); }
+struct LocalSummed<MaskedWeight<T>> {
+  static constexpr bool value = true;
 };
-template <class T>
-SD_HD_INLINE float canonical_chunk_sum(const MaskedWeight<T>& f, int64_t begin, int64_t end) {
-  return f.weight.from_local(chunk_sum(MaskedLocal<T>{&f}, begin, end), begin);
-}
-template <class T>
-SD_HD_INLINE float canonical_lane_sum(const MaskedWeight<T>& f, int64_t begin, int64_t end, int j) {
-  return chunk_lane_sum(MaskedLocal<T>{&f}, begin, end, j);
-}
-template <class T>
-SD_HD_INLINE float canonical_finish(const MaskedWeight<T>& f, float lanes, int64_t begin) {
-  return f.weight.from_local(lanes, begin);
-}
 
 template <class T>
 struct EntropyTerm {
