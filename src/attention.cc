@@ -44,6 +44,8 @@ constexpr int kRowTile = 8;           // query rows per register tile
 // The streaming prefix path (AVX-512 and AVX2, at most K::kStreamRows query rows per KV head):
 // keys per block. Scores of a block are 16 floats per query row.
 constexpr int kStreamKeys = 16;
+// The lane path (AVX-512, see lanes_transpose): query rows per vector.
+constexpr int kLanes = 16;
 
 // ---- element access ------------------------------------------------------------------------
 
@@ -159,6 +161,7 @@ SD_FORCE_INLINE void generic_pv(const float* p, int rows, int n, const typename 
 struct GenericKernels {
   static constexpr bool kStream = false;  // no stream_scores: prefix blocks use the tiles
   static constexpr int kStreamRows = 0;
+  static constexpr int kLaneRows = 0;  // no lane path either
   template <AttnDType DT>
   static void load_kt(const typename Elem<DT>::T* k, int64_t rs, int n, int d, float* kt) {
     generic_load_kt<DT>(k, rs, n, d, kt);
@@ -399,6 +402,7 @@ struct Avx2Kernels {
   // and 16384) and T = 2 fp32 30 % less; at 16 rows (T = 4) it was no faster, slower for bf16 at
   // B = 8 (each row reloads and converts the key: 16 vectors are all of AVX2's registers).
   static constexpr int kStreamRows = 8;
+  static constexpr int kLaneRows = 0;  // no lane path: more rows take the tiles
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * kStreamKeys * 8 floats of scratch.
@@ -809,14 +813,148 @@ SD_TARGET_AVX512 void stream_partials_rows_f32(const float* q, int heads, int ro
   }
 }
 
+// ---- query rows in lanes (9 to 16 query rows per KV head) ----------------------------------
+// From 9 query rows per KV head (T = 3 and 4 at GQA 4) the per-key dot products above cost as
+// many loads and stores as FMAs (a query load per FMA, a partial store per row and key, then
+// the lane sums): with the KV in cache they ran at about 45 % of the FMA rate. Here the query
+// rows of a KV head are the 16 lanes of one vector instead. The head's query is transposed once
+// per work item (qt[i] = element i of every row) and each key element is broadcast from memory
+// into its FMA, so a block's scores come out as one vector per key (lane r = row r) without lane
+// sums, and the online softmax of all the head's rows runs lane-wise: a vector max and an exp
+// per key, with the running maxima and sums of the rows in two vectors. The weights are then
+// transposed back to rows for the P V tiles of the streaming path.
+// qt[i * 16 + r] = 32-bit word i of row r, for rows r < rows of `words` words (stride floats
+// apart) and i < words; lanes r >= rows are zero.
+SD_TARGET_AVX512 SD_FORCE_INLINE void lanes_transpose(const float* q, int64_t stride, int rows,
+                                                      int words, float* qt) {
+  for (int c = 0; c < words; c += 16) {
+    const int w = std::min(16, words - c);
+    const __mmask16 mk = static_cast<__mmask16>((1u << w) - 1u);
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) {
+      r[i] = i < rows ? _mm512_maskz_loadu_ps(mk, q + i * stride + c) : _mm512_setzero_ps();
+    }
+    transpose16(r);
+    for (int i = 0; i < w; ++i) _mm512_store_ps(qt + (c + i) * kLanes, r[i]);
+  }
+}
+
+// s[j] = sum_i qt[i] * kp[j][i] for 8 keys: every key element is broadcast into its FMA.
+template <int D>
+SD_TARGET_AVX512 SD_FORCE_INLINE void lane_dots_f32(const float* qt, const float* const* kp,
+                                                    __m512* s) {
+  __m512 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+  for (int i = 0; i < D; ++i) {
+    const __m512 qv = _mm512_load_ps(qt + kLanes * i);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kp[j][i]), acc[j]);
+  }
+  for (int j = 0; j < 8; ++j) s[j] = acc[j];
+}
+
+// Scores s[j] of keys j < n <= 16 (rows rs floats apart) in groups of 8; a partial group
+// repeats key n - 1, and s[j] for j >= n is left for lane_softmax to mask.
+template <int D>
+SD_TARGET_AVX512 SD_FORCE_INLINE void lane_scores_f32(const float* qt, const float* k, int64_t rs,
+                                                      int n, __m512* s) {
+  for (int g = 0; g < n; g += 8) {
+    const float* kp[8];
+    for (int j = 0; j < 8; ++j) kp[j] = k + std::min(g + j, n - 1) * rs;
+    lane_dots_f32<D>(qt, kp, s + g);
+  }
+}
+
+// The online-softmax update of specdecode/attention.h (softmax_rescale, then the block's terms
+// 2^(s - softmax_reference(m))), lane-wise for the scores s[j] of keys j < n: s[j] becomes the
+// weight of key j (0 for j >= n); m and l hold the running max and sum of every lane. Returns
+// the factors that rescale the rows' accumulators.
+SD_TARGET_AVX512 SD_FORCE_INLINE __m512 lane_softmax(__m512* s, int n, __m512* m, __m512* l) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int j = n; j < kLanes; ++j) s[j] = ninf;
+  __m512 x[8];
+  for (int j = 0; j < 8; ++j) x[j] = _mm512_max_ps(s[j], s[j + 8]);
+  for (int j = 0; j < 4; ++j) x[j] = _mm512_max_ps(x[j], x[j + 4]);
+  const __m512 block_max = _mm512_max_ps(_mm512_max_ps(x[0], x[2]), _mm512_max_ps(x[1], x[3]));
+  // As softmax_rescale: the max rises only where the block's max is greater.
+  const __m512 new_max =
+      _mm512_mask_mov_ps(*m, _mm512_cmp_ps_mask(block_max, *m, _CMP_GT_OQ), block_max);
+  const __m512 ref = _mm512_mask_mov_ps(new_max, _mm512_cmp_ps_mask(new_max, ninf, _CMP_EQ_OQ),
+                                        _mm512_setzero_ps());
+  const __m512 alpha = exp2_avx512(_mm512_sub_ps(*m, ref));
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < kLanes; ++j) {
+    s[j] = exp2_avx512(_mm512_sub_ps(s[j], ref));
+    sum = _mm512_add_ps(sum, s[j]);
+  }
+  *m = new_max;
+  *l = _mm512_add_ps(_mm512_mul_ps(*l, alpha), sum);
+  return alpha;
+}
+
+// Finishes a lane block: the softmax update (state ml: 16 maxima then 16 sums), then the weights
+// transposed to rows, p[r * kBlock + j] for r < rows, and the rows' rescale factors alpha[r].
+SD_TARGET_AVX512 SD_FORCE_INLINE void lane_weights(__m512* s, int n, int rows, float* ml, float* p,
+                                                   float* alpha) {
+  __m512 m = _mm512_load_ps(ml), l = _mm512_load_ps(ml + kLanes);
+  _mm512_store_ps(alpha, lane_softmax(s, n, &m, &l));
+  _mm512_store_ps(ml, m);
+  _mm512_store_ps(ml + kLanes, l);
+  transpose16(s);
+  for (int r = 0; r < rows; ++r) _mm512_store_ps(p + r * kBlock, s[r]);
+}
+
+// lane_scores_f32 for keys of type DT: fp16 / bf16 keys are converted into kbuf first (16 rows
+// of D floats), which also keeps the 8 keys of a group off the few L1 sets that rows Hkv * D
+// apart map to.
+template <int D, AttnDType DT>
+SD_TARGET_AVX512 void lane_block_scores(const float* qt, const typename Elem<DT>::T* k, int64_t rs,
+                                        int n, float* kbuf, __m512* s) {
+  if constexpr (DT == AttnDType::kFloat32) {
+    lane_scores_f32<D>(qt, k, rs, n, s);
+  } else {
+    for (int j = 0; j < n; ++j) {
+      for (int c = 0; c < D; c += 16) _mm512_store_ps(kbuf + j * D + c, load16<DT>(k + j * rs + c));
+    }
+    lane_scores_f32<D>(qt, kbuf, D, n, s);
+  }
+}
+
 struct Avx512Kernels {
   static constexpr bool kStream = true;
-  // Up to 16 rows (T <= 4 at GQA 4) the streaming path is faster than the tiles: from DRAM, same
-  // inputs in alternating processes, T = 3 and 4 took 5-25 % less time (fp32 and bf16, B = 1
-  // and 8, S = 4096 and 16384; bench/RESULTS.md); the tiles transpose every key block and read
-  // each KV head's keys a 4 KiB page apart, which costs more than the per-key lane sums at that
-  // row count. 32 rows (T = 8) was no better.
-  static constexpr int kStreamRows = 16;
+  // Up to 8 rows (T <= 2 at GQA 4) the prefix takes the streaming path (stream_range), which is
+  // bound by the read of the cache there; with 8 rows the lane path (half its lanes empty) was
+  // within a few % of it.
+  static constexpr int kStreamRows = 8;
+  // From 9 to 16 rows (T = 3 and 4 at GQA 4) it takes the lane path (lane_range). Against the
+  // streaming path, from DRAM, same inputs in alternating processes (Hq = 32, Hkv = 8, D = 128,
+  // S = 4096): T = 3 and 4 took 18-26 % less time for fp32 and 19-26 % for bf16, B = 1 and 8
+  // (bench/RESULTS.md). Before, the streaming path also took these rows: it had been 5-25 %
+  // faster than the tiles, which transpose every key block and read each KV head's keys a
+  // 4 KiB page apart.
+  static constexpr int kLaneRows = 16;
+  // 32-bit words per query row in the lane layout: the fp32 elements.
+  template <AttnDType DT>
+  static constexpr int lane_words(int d) {
+    return d;
+  }
+  // One KV head's query rows (stride floats apart, `words` words each) in the lane layout.
+  SD_TARGET_AVX512 static void lane_query(const float* q, int64_t stride, int rows, int words,
+                                          float* qt) {
+    lanes_transpose(q, stride, rows, words, qt);
+  }
+  // Keys [0, n) <= 16 of one KV head (rows rs apart) against the head's lane query qt: the
+  // softmax update of the lane state ml and the weights p / rescale factors alpha of the rows
+  // (lane_weights). fp16 / bf16 keys are first converted into kbuf (16 x d floats). The query
+  // rows are pre-scaled.
+  template <AttnDType DT>
+  SD_TARGET_AVX512 static void lane_block(const float* qt, int d, int rows,
+                                          const typename Elem<DT>::T* k, int64_t rs, int n, float,
+                                          float* kbuf, float* ml, float* p, float* alpha) {
+    __m512 s[kLanes];
+    with_head_dim(
+        d, [&](auto dim) { lane_block_scores<decltype(dim)::value, DT>(qt, k, rs, n, kbuf, s); });
+    lane_weights(s, n, rows, ml, p, alpha);
+  }
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * 256 floats of scratch.
@@ -1072,6 +1210,36 @@ SD_TARGET_AVX512BF16 void stream_partials_rows_bf16(const float* q, int heads, i
   stream_partials2_bf16<D>(q, heads, rows, k, rs, hs, n, part);
 }
 
+// s[j] = mult * sum_i qt[i] . kp[j][i] over the W bf16 pairs of 8 keys (vdpbf16ps, each pair of
+// key elements broadcast from memory as one 32-bit word).
+template <int W>
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_dots_bf16(const float* qt, const uint16_t* const* kp,
+                                                         float mult, __m512* s) {
+  __m512 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+  for (int i = 0; i < W; ++i) {
+    const __m512bh qv = (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(qt + kLanes * i));
+    for (int j = 0; j < 8; ++j) {
+      uint32_t w;
+      std::memcpy(&w, kp[j] + 2 * i, sizeof(w));
+      acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(w)));
+    }
+  }
+  const __m512 m = _mm512_set1_ps(mult);
+  for (int j = 0; j < 8; ++j) s[j] = _mm512_mul_ps(acc[j], m);
+}
+
+// As lane_scores_f32 on raw bf16 keys and pair words of the query (D / 2 per row).
+template <int D>
+SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, int64_t rs, int n,
+                                           float mult, __m512* s) {
+  for (int g = 0; g < n; g += 8) {
+    const uint16_t* kp[8];
+    for (int j = 0; j < 8; ++j) kp[j] = k + std::min(g + j, n - 1) * rs;
+    lane_dots_bf16<D / 2>(qt, kp, mult, s + g);
+  }
+}
+
 struct Avx512Bf16Kernels : Avx512Kernels {
   // As Avx512Kernels::stream_scores with raw bf16 query rows; the scale is applied to the sums.
   template <AttnDType DT>
@@ -1083,6 +1251,23 @@ struct Avx512Bf16Kernels : Avx512Kernels {
       stream_partials_rows_bf16<decltype(dim)::value>(q, heads, rows, k, rs, hs, n, part);
     });
     stream_reduce(part, heads * rows, n, mult, s);
+  }
+  // The lane layout holds the raw bf16 pairs of the query rows (see load_q).
+  template <AttnDType DT>
+  static constexpr int lane_words(int d) {
+    return d / 2;
+  }
+  // As Avx512Kernels::lane_block with vdpbf16ps on the raw bf16 keys; the scale is applied to
+  // the sums.
+  template <AttnDType DT>
+  SD_TARGET_AVX512BF16 static void lane_block(const float* qt, int d, int rows, const uint16_t* k,
+                                              int64_t rs, int n, float mult, float*, float* ml,
+                                              float* p, float* alpha) {
+    static_assert(DT == AttnDType::kBFloat16, "bf16 only");
+    __m512 s[kLanes];
+    with_head_dim(d,
+                  [&](auto dim) { lane_scores_bf16<decltype(dim)::value>(qt, k, rs, n, mult, s); });
+    lane_weights(s, n, rows, ml, p, alpha);
   }
   // kt holds, for each pair of dims (2i, 2i + 1), the 32-bit words (k[j][2i], k[j][2i + 1]) of
   // the block's keys j: the 16 x 16 transpose of 32-bit words, applied to raw bf16 pairs.
@@ -1183,16 +1368,19 @@ Isa current_isa() {
 struct Workspace {
   std::vector<float> storage;
   float *q, *o_prefix, *o_tree, *kt, *vb, *s, *alpha;
-  float *part, *sall;  // streaming path only: partial score vectors, scores of all rows
+  float *part, *sall;   // streaming path only: partial score vectors, scores of all rows
+  float *qt, *lane_ml;  // lane path only: each KV head's query in lanes, its lane softmax state
   SoftmaxState *st_prefix, *st_tree;
   std::vector<SoftmaxState> states;
 
-  // rows: query rows of the work item; stream: whether the streaming prefix path runs.
-  void reserve(int64_t rows, int64_t d, bool stream) {
+  // rows: query rows of the work item; stream: whether the streaming or lane prefix path runs;
+  // lane_heads: KV heads of the lane path (0 when it does not run).
+  void reserve(int64_t rows, int64_t d, bool stream, int64_t lane_heads) {
     auto up = [](int64_t n) { return (n + 15) / 16 * 16; };
     const int64_t stream_need = stream ? rows * kStreamKeys * 16 + rows * kBlock : 0;
+    const int64_t lane_need = lane_heads * (d * kLanes + 2 * kLanes);
     const int64_t need = 3 * up(rows * d) + kBlock * up(d) + kBlock * up(d) + kRowTile * kBlock +
-                         up(rows) + stream_need + 16;
+                         up(rows) + stream_need + lane_need + 16;
     if (static_cast<int64_t>(storage.size()) < need) storage.assign(need, 0.0f);
     float* base = storage.data();
     base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;  // 64-byte
@@ -1205,6 +1393,8 @@ struct Workspace {
     alpha = s + kRowTile * kBlock;
     part = alpha + up(rows);  // 64-byte aligned: every size above is a multiple of 16 floats
     sall = part + rows * kStreamKeys * 16;
+    qt = sall + (stream ? rows * kBlock : 0);
+    lane_ml = qt + lane_heads * d * kLanes;
     states.resize(2 * rows);
     st_prefix = states.data();
     st_tree = states.data() + rows;
@@ -1302,12 +1492,16 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
   }
 }
 
-// Whether the prefix of a work item takes the streaming path (see stream_partials_f32).
+// Whether the prefix of a work item takes the streaming path (see stream_partials_f32) or,
+// with more rows per KV head, the lane path (see lanes_transpose).
 template <class K>
 bool use_stream(const Shape& sh) {
   return K::kStream && sh.rows <= K::kStreamRows;
 }
-
+template <class K>
+bool use_lanes(const Shape& sh) {
+  return K::kLaneRows > 0 && sh.rows > K::kStreamRows && sh.rows <= K::kLaneRows;
+}
 // The prefix keys [begin, end) of the item's KV heads, read key-major in blocks of kStreamKeys:
 // scores of every query row (stream_scores), then per KV head the online-softmax update and P V
 // of the block. Same state and accumulator contract as attend_range.
@@ -1353,6 +1547,48 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
   }
 }
 
+// The prefix keys [begin, end) of the item's KV heads with the query rows of each KV head in
+// lanes (lanes_transpose), in blocks of kStreamKeys keys: per KV head the scores and the
+// lane-wise softmax update (K::lane_block), then the P V tiles of the streaming path, which hint
+// the head's next block into L2 as in stream_range. Same state and accumulator contract as
+// attend_range.
+template <class K, AttnDType DT>
+void lane_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
+                const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws, float* o,
+                SoftmaxState* st) {
+  if constexpr (K::kLaneRows > 0) {
+    const int d = static_cast<int>(sh.d);
+    const int rows = static_cast<int>(sh.rows);
+    const int heads = static_cast<int>(sh.heads);
+    const int64_t rs = a.kv_strides[1], hs = a.kv_strides[2];
+    const int words = K::template lane_words<DT>(d);
+    std::fill(o, o + sh.heads * sh.rows * sh.d, 0.0f);
+    for (int h = 0; h < heads; ++h) {
+      K::lane_query(ws.q + static_cast<int64_t>(h) * rows * d, d, rows, words,
+                    ws.qt + static_cast<int64_t>(h) * words * kLanes);
+      float* ml = ws.lane_ml + h * 2 * kLanes;
+      std::fill(ml, ml + kLanes, -INFINITY);
+      std::fill(ml + kLanes, ml + 2 * kLanes, 0.0f);
+    }
+    for (int64_t j0 = begin; j0 < end; j0 += kStreamKeys) {
+      const int n = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0));
+      const int n_next = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0 - n));
+      for (int h = 0; h < heads; ++h) {
+        K::template lane_block<DT>(ws.qt + static_cast<int64_t>(h) * words * kLanes, d, rows,
+                                   k + j0 * rs + h * hs, rs, n, a.scale * kLog2e, ws.kt,
+                                   ws.lane_ml + h * 2 * kLanes, ws.sall, ws.alpha);
+        K::template pv_stream<DT>(ws.sall, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
+                                  o + static_cast<int64_t>(h) * rows * sh.d,
+                                  k + (j0 + n) * rs + h * hs, v + (j0 + n) * rs + h * hs, n_next);
+      }
+    }
+    for (int h = 0; h < heads; ++h) {
+      const float* ml = ws.lane_ml + h * 2 * kLanes;
+      for (int r = 0; r < rows; ++r) st[h * rows + r] = SoftmaxState{ml[r], ml[kLanes + r]};
+    }
+  }
+}
+
 // One work item: KV heads kvh0 .. kvh0 + sh.heads of sequence b over prefix keys [begin, end),
 // plus the tree part when with_tree. Hands each row's finished (o, lse2) to `emit`.
 template <class K, AttnDType DT, class Emit>
@@ -1361,8 +1597,8 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   using T = typename Elem<DT>::T;
   Workspace& ws = thread_workspace();
   const int64_t rows = sh.heads * sh.rows;
-  const bool stream = use_stream<K>(sh);
-  ws.reserve(rows, sh.d, stream);
+  const bool stream = use_stream<K>(sh), lanes = use_lanes<K>(sh);
+  ws.reserve(rows, sh.d, stream || lanes, lanes ? sh.heads : 0);
   const int d = static_cast<int>(sh.d);
   const T* q = static_cast<const T*>(a.q);
   const float mult = a.scale * kLog2e;
@@ -1375,6 +1611,8 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   const T* v = static_cast<const T*>(a.v) + b * a.kv_strides[0] + kvh0 * a.kv_strides[2];
   if (stream) {
     stream_range<K, DT>(a, sh, k, v, begin, end, ws, ws.o_prefix, ws.st_prefix);
+  } else if (lanes) {
+    lane_range<K, DT>(a, sh, k, v, begin, end, ws, ws.o_prefix, ws.st_prefix);
   } else {
     attend_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   }
