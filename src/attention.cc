@@ -4,7 +4,11 @@
 // so each prefix key and value is read from memory once per KV head. Keys are streamed in blocks
 // of kBlock positions: the block's keys are converted to fp32 and transposed (so the score tile
 // is a small register-blocked GEMM), its values converted to fp32, and every query row updates
-// its online-softmax state with the shared math of specdecode/attention.h.
+// its online-softmax state with the shared math of specdecode/attention.h. With few query rows
+// per KV head the prefix takes one of two cheaper paths on AVX2 / AVX-512: up to 8 rows the
+// streaming path (stream_range: per-key dot products, the cache read in address order), from 9
+// to 16 rows on AVX-512 the lane path (lane_range: the rows of a KV head in the lanes of one
+// vector).
 //
 // The prefix [0, prefix_len) is dense and unmasked; the tree [prefix_len, prefix_len + T) uses
 // the bitmask. They accumulate into separate states that are merged with the log-sum-exp rule,
@@ -955,6 +959,17 @@ struct Avx512Kernels {
         d, [&](auto dim) { lane_block_scores<decltype(dim)::value, DT>(qt, k, rs, n, kbuf, s); });
     lane_weights(s, n, rows, ml, p, alpha);
   }
+  // P V of a lane block: the weights p of lane_block against the values of keys [0, n) of the
+  // KV head (rows rs apart), with the hints of the head's next block as in pv_stream. vbuf:
+  // kStreamKeys x d floats of scratch (unused here).
+  template <AttnDType DT>
+  SD_TARGET_AVX512 static void lane_pv(const float* p, int rows, int n,
+                                       const typename Elem<DT>::T* v, int64_t rs, int d,
+                                       const float* alpha, float* o,
+                                       const typename Elem<DT>::T* next_k,
+                                       const typename Elem<DT>::T* next_v, int n_next, float*) {
+    pv_stream<DT>(p, rows, n, v, rs, d, alpha, o, next_k, next_v, n_next);
+  }
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * 256 floats of scratch.
@@ -1240,6 +1255,105 @@ SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, i
   }
 }
 
+// The P V of the bf16 lane path runs on vdpbf16ps too: the weights are rounded to bf16 (relative
+// error 2^-9 per weight, the rounding of a bf16 output; the sums of the softmax stay fp32) and
+// pairs of keys are multiplied and added at once, at twice the FMA rate. Both operands hold
+// pairs of keys (2m, 2m + 1) as 32-bit words: the weights of a row, broadcast, and the values of
+// 16 columns, staged once per block.
+
+// As lane_weights, with the weights as bf16 pair words: pw[m * 16 + r] = (P[r][2m], P[r][2m + 1])
+// for m < 8 (keys >= n weigh 0).
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_weight_pairs(__m512* s, int n, float* ml,
+                                                            uint32_t* pw, float* alpha) {
+  __m512 m = _mm512_load_ps(ml), l = _mm512_load_ps(ml + kLanes);
+  _mm512_store_ps(alpha, lane_softmax(s, n, &m, &l));
+  _mm512_store_ps(ml, m);
+  _mm512_store_ps(ml + kLanes, l);
+  for (int i = 0; i < kLanes / 2; ++i) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * i]));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * i + 1]));
+    _mm512_store_si512(pw + kLanes * i, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+
+// vp[m * d + c] = (v[2m][c], v[2m + 1][c]) as bf16 pair words for keys [0, n) (rows rs apart);
+// an odd n pairs its last key with 0.
+SD_TARGET_AVX512BF16 void lane_stage_v_pairs(const uint16_t* v, int64_t rs, int n, int d,
+                                             uint32_t* vp) {
+  for (int m = 0; 2 * m < n; ++m) {
+    const uint16_t* v0 = v + 2 * m * rs;
+    const bool odd = 2 * m + 1 == n;
+    for (int c = 0; c < d; c += 16) {
+      const __m512i a =
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c)));
+      const __m512i b = odd ? _mm512_setzero_si512()
+                            : _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(v0 + rs + c)));
+      _mm512_store_si512(vp + m * d + c, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+  }
+}
+
+// o[r][c0 .. c0 + 16 CV) = alpha[r] * o + sum_m pw[m][r] . vp[m] for RB rows over `pairs` key
+// pairs, with the hints of pv_tile (n_next rows of next_k / next_v, rs apart, the tile's columns).
+template <int RB, int CV>
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_tile_pairs(
+    const uint32_t* pw, int pairs, const uint32_t* vp, int d, const float* alpha, float* o,
+    const uint16_t* next_k, const uint16_t* next_v, int64_t rs, int n_next) {
+  constexpr int kTileBytes = CV * 16 * static_cast<int>(sizeof(uint16_t));
+  __m512 acc[RB][CV];
+  for (int r = 0; r < RB; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * d + 16 * c));
+  }
+  for (int m = 0; m < pairs; ++m) {
+    for (int j = 2 * m; j < 2 * m + 2 && j < n_next; ++j) {
+      const char* nk = reinterpret_cast<const char*>(next_k + j * rs);
+      const char* nv = reinterpret_cast<const char*>(next_v + j * rs);
+      for (int b = 0; b < kTileBytes; b += 64) {
+        prefetch_l2(nk + b);
+        prefetch_l2(nv + b);
+      }
+    }
+    __m512bh v[CV];
+    for (int c = 0; c < CV; ++c) {
+      v[c] = (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(vp + m * d + 16 * c));
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[m * kLanes + r]));
+      for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, v[c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < CV; ++c) _mm512_storeu_ps(o + r * d + 16 * c, acc[r][c]);
+  }
+}
+
+// pv_tile_pairs for RB rows over the whole head dim, 4 vectors at a time.
+template <int RB>
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_rows_pairs(
+    const uint32_t* pw, int pairs, const uint32_t* vp, int d, const float* alpha, float* o,
+    const uint16_t* next_k, const uint16_t* next_v, int64_t rs, int n_next) {
+  int c = 0;
+  for (; c + 64 <= d; c += 64) {
+    pv_tile_pairs<RB, 4>(pw, pairs, vp + c, d, alpha, o + c, next_k + c, next_v + c, rs, n_next);
+  }
+  // Head dims are multiples of 16: fewer than 4 vectors remain.
+  switch ((d - c) / 16) {
+    case 1:
+      pv_tile_pairs<RB, 1>(pw, pairs, vp + c, d, alpha, o + c, next_k + c, next_v + c, rs, n_next);
+      break;
+    case 2:
+      pv_tile_pairs<RB, 2>(pw, pairs, vp + c, d, alpha, o + c, next_k + c, next_v + c, rs, n_next);
+      break;
+    case 3:
+      pv_tile_pairs<RB, 3>(pw, pairs, vp + c, d, alpha, o + c, next_k + c, next_v + c, rs, n_next);
+      break;
+    default:
+      break;
+  }
+}
+
 struct Avx512Bf16Kernels : Avx512Kernels {
   // As Avx512Kernels::stream_scores with raw bf16 query rows; the scale is applied to the sums.
   template <AttnDType DT>
@@ -1267,7 +1381,39 @@ struct Avx512Bf16Kernels : Avx512Kernels {
     __m512 s[kLanes];
     with_head_dim(d,
                   [&](auto dim) { lane_scores_bf16<decltype(dim)::value>(qt, k, rs, n, mult, s); });
-    lane_weights(s, n, rows, ml, p, alpha);
+    lane_weight_pairs(s, n, ml, reinterpret_cast<uint32_t*>(p), alpha);
+  }
+  // As Avx512Kernels::lane_pv on vdpbf16ps: p holds the weight pair words of lane_block, and the
+  // values are staged as pair words into vbuf first.
+  template <AttnDType DT>
+  SD_TARGET_AVX512BF16 static void lane_pv(const float* p, int rows, int n, const uint16_t* v,
+                                           int64_t rs, int d, const float* alpha, float* o,
+                                           const uint16_t* next_k, const uint16_t* next_v,
+                                           int n_next, float* vbuf) {
+    static_assert(DT == AttnDType::kBFloat16, "bf16 only");
+    uint32_t* vp = reinterpret_cast<uint32_t*>(vbuf);
+    lane_stage_v_pairs(v, rs, n, d, vp);
+    const uint32_t* pw = reinterpret_cast<const uint32_t*>(p);
+    const int pairs = (n + 1) / 2;
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      pv_rows_pairs<4>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_k, next_v, rs,
+                       r == 0 ? n_next : 0);
+    }
+    const int hint = r == 0 ? n_next : 0;
+    switch (rows - r) {
+      case 1:
+        pv_rows_pairs<1>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_k, next_v, rs, hint);
+        break;
+      case 2:
+        pv_rows_pairs<2>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_k, next_v, rs, hint);
+        break;
+      case 3:
+        pv_rows_pairs<3>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_k, next_v, rs, hint);
+        break;
+      default:
+        break;
+    }
   }
   // kt holds, for each pair of dims (2i, 2i + 1), the 32-bit words (k[j][2i], k[j][2i + 1]) of
   // the block's keys j: the 16 x 16 transpose of 32-bit words, applied to raw bf16 pairs.
@@ -1577,9 +1723,10 @@ void lane_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>
         K::template lane_block<DT>(ws.qt + static_cast<int64_t>(h) * words * kLanes, d, rows,
                                    k + j0 * rs + h * hs, rs, n, a.scale * kLog2e, ws.kt,
                                    ws.lane_ml + h * 2 * kLanes, ws.sall, ws.alpha);
-        K::template pv_stream<DT>(ws.sall, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
-                                  o + static_cast<int64_t>(h) * rows * sh.d,
-                                  k + (j0 + n) * rs + h * hs, v + (j0 + n) * rs + h * hs, n_next);
+        K::template lane_pv<DT>(ws.sall, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
+                                o + static_cast<int64_t>(h) * rows * sh.d,
+                                k + (j0 + n) * rs + h * hs, v + (j0 + n) * rs + h * hs, n_next,
+                                ws.vb);
       }
     }
     for (int h = 0; h < heads; ++h) {
