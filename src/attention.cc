@@ -7,8 +7,8 @@
 // its online-softmax state with the shared math of specdecode/attention.h. With few query rows
 // per KV head the prefix takes one of two cheaper paths on AVX2 / AVX-512: up to 8 rows the
 // streaming path (stream_range: per-key dot products, the cache read in address order), from 9
-// to 16 rows on AVX-512 the lane path (lane_range: the rows of a KV head in the lanes of one
-// vector).
+// to 16 rows on AVX-512 (from 5 for bf16 with AVX512_BF16) the lane path (lane_range: the rows
+// of a KV head in the lanes of one vector).
 //
 // The prefix [0, prefix_len) is dense and unmasked; the tree [prefix_len, prefix_len + T) uses
 // the bitmask. They accumulate into separate states that are merged with the log-sum-exp rule,
@@ -927,7 +927,7 @@ struct Avx512Kernels {
   static constexpr bool kStream = true;
   // Up to 8 rows (T <= 2 at GQA 4) the prefix takes the streaming path (stream_range), which is
   // bound by the read of the cache there; with 8 rows the lane path (half its lanes empty) was
-  // within a few % of it.
+  // within +-10 % of it for fp32 (bf16 with AVX512_BF16 switches earlier: Avx512Bf16Kernels).
   static constexpr int kStreamRows = 8;
   // From 9 to 16 rows (T = 3 and 4 at GQA 4) it takes the lane path (lane_range). Against the
   // streaming path, from DRAM, same inputs in alternating processes (Hq = 32, Hkv = 8, D = 128,
@@ -1355,6 +1355,10 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_rows_pairs(
 }
 
 struct Avx512Bf16Kernels : Avx512Kernels {
+  // With both products on vdpbf16ps the lane path is faster than the streaming path from 5 rows
+  // on (8 rows, from DRAM, alternating processes: T = 2 at GQA 4 and T = 1 at GQA 8 took 7-22 %
+  // less time, bench/RESULTS.md); fp32 and fp16 switch at 9 rows (at 8 rows: within +-10 %).
+  static constexpr int kStreamRows = 4;
   // As Avx512Kernels::stream_scores with raw bf16 query rows; the scale is applied to the sums.
   template <AttnDType DT>
   SD_TARGET_AVX512BF16 static void stream_scores(const float* q, int heads, int rows, int d,

@@ -162,17 +162,20 @@ def test_decode_split_edges(isa_name, t, hq, hkv, d, dtype):
         _C.set_attention_isa("")
 
 
-# 9 to 16 query rows per KV head take the lane path on AVX-512 (the rows of a KV head are the
-# lanes of one vector; keys are scored 8 at a time, so block tails of 1..8 and 9..15 keys differ).
+# 9 to 16 query rows per KV head take the lane path on AVX-512, and bf16 from 5 rows with
+# AVX512_BF16 (the rows of a KV head are the lanes of one vector; keys are scored 8 at a time, so
+# block tails of 1..8 and 9..15 keys differ).
 LANE_PREFIXES = [0, 1, 7, 8, 9, 15, 16, 24, 255, 257, 1001]
 
 
 @pytest.mark.parametrize("isa_name", STREAM_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [32, 80, 128, 256])
-@pytest.mark.parametrize("hq,hkv,t", [(9, 1, 1), (10, 2, 2), (13, 1, 1), (5, 1, 3), (8, 2, 4)])
+@pytest.mark.parametrize(
+    "hq,hkv,t", [(5, 1, 1), (12, 2, 1), (9, 1, 1), (10, 2, 2), (13, 1, 1), (5, 1, 3), (8, 2, 4)]
+)
 def test_lane_path_row_counts(isa_name, hq, hkv, t, d, dtype):
-    # Rows per KV head: 9, 10, 13, 15 and 16 (lanes left empty at all but 16).
+    # Rows per KV head: 5, 6, 9, 10, 13, 15 and 16 (lanes left empty at all but 16).
     assert _C.set_attention_isa(isa_name)
     q, k, v, lens, gen = make_case(
         len(LANE_PREFIXES), t, hq, hkv, d, LANE_PREFIXES, dtype, strided=True, seed=hq * 7 + d
