@@ -208,6 +208,19 @@ constexpr float kExp2Poly[8] = {1.5252733804059841e-05f, 1.5403530393381606e-04f
 // A hint that parks a line in L2 (prefetcht1), not L1: see stream_range.
 SD_FORCE_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
+// Hints the first `bytes` bytes of row j of the next block's keys and of its values (rows
+// `stride` elements apart) into L2: the P V tiles spread these over their FMAs.
+template <class T>
+SD_FORCE_INLINE void hint_next_row(const T* next_k, const T* next_v, int64_t j, int64_t stride,
+                                   int bytes) {
+  const char* nk = reinterpret_cast<const char*>(next_k + j * stride);
+  const char* nv = reinterpret_cast<const char*>(next_v + j * stride);
+  for (int b = 0; b < bytes; b += 64) {
+    prefetch_l2(nk + b);
+    prefetch_l2(nv + b);
+  }
+}
+
 // The AVX-512 kernels on 8-lane vectors: the tile path (keys transposed 8 x 8 in registers,
 // register-blocked score and P V tiles of at most 4 rows x 2 vectors, 16 ymm registers) and the
 // streaming prefix path below, with a vectorised exp2. The portable bodies compiled for AVX2 ran
@@ -303,14 +316,7 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void pv_tile8(const float* p, int n, const typena
     for (int c = 0; c < CV; ++c) acc[r][c] = _mm256_mul_ps(a, _mm256_loadu_ps(o + r * d + 8 * c));
   }
   for (int j = 0; j < n; ++j) {
-    if (j < n_next) {
-      const char* nk = reinterpret_cast<const char*>(next_k + j * vs);
-      const char* nv = reinterpret_cast<const char*>(next_v + j * vs);
-      for (int b = 0; b < kTileBytes; b += 64) {
-        prefetch_l2(nk + b);
-        prefetch_l2(nv + b);
-      }
-    }
+    if (j < n_next) hint_next_row(next_k, next_v, j, vs, kTileBytes);
     __m256 v[CV];
     for (int c = 0; c < CV; ++c) v[c] = load8<VT>(vb + j * vs + 8 * c);
     for (int r = 0; r < RB; ++r) {
@@ -632,14 +638,7 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const typen
     for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * d + 16 * c));
   }
   for (int j = 0; j < n; ++j) {
-    if (j < n_next) {
-      const char* nk = reinterpret_cast<const char*>(next_k + j * vs);
-      const char* nv = reinterpret_cast<const char*>(next_v + j * vs);
-      for (int b = 0; b < kTileBytes; b += 64) {
-        prefetch_l2(nk + b);
-        prefetch_l2(nv + b);
-      }
-    }
+    if (j < n_next) hint_next_row(next_k, next_v, j, vs, kTileBytes);
     __m512 v[CV];
     for (int c = 0; c < CV; ++c) v[c] = load16<VT>(vb + j * vs + 16 * c);
     for (int r = 0; r < RB; ++r) {
@@ -1308,12 +1307,7 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_tile_pairs(
   }
   for (int m = 0; m < pairs; ++m) {
     for (int j = 2 * m; j < 2 * m + 2 && j < n_next; ++j) {
-      const char* nk = reinterpret_cast<const char*>(next_k + j * rs);
-      const char* nv = reinterpret_cast<const char*>(next_v + j * rs);
-      for (int b = 0; b < kTileBytes; b += 64) {
-        prefetch_l2(nk + b);
-        prefetch_l2(nv + b);
-      }
+      hint_next_row(next_k, next_v, j, rs, kTileBytes);
     }
     __m512bh v[CV];
     for (int c = 0; c < CV; ++c) {
