@@ -206,6 +206,26 @@ def test_decode_results_do_not_depend_on_thread_count(t, dtype):
         assert torch.equal(lse, outs[0][1])
 
 
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(isa, t, dtype):
+    # Batch invariance: every row's prefix is split at fixed offsets from its own end, so the
+    # other rows (their number, their prefix lengths, hence the number of splits) change nothing:
+    # the streaming (T = 1, 2), lane (T = 4) and tile (T = 8) paths alike, bit for bit.
+    prefixes = [3000, 5, 600, 0, 1301]
+    q, k, v, lens, gen = make_case(len(prefixes), t, 32, 8, 128, prefixes, dtype, seed=t)
+    mask = ops.tree_info(random_parents(len(prefixes), t, gen)).mask if t > 1 else None
+    out, lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+    for b in range(len(prefixes)):
+        rows = slice(b, b + 1)
+        one_mask = mask[rows] if mask is not None else None
+        o1, l1 = ops.tree_attention(
+            q[rows], k[rows], v[rows], lens[rows], one_mask, return_lse=True
+        )
+        assert torch.equal(o1, out[rows]), f"row {b}"
+        assert torch.equal(l1, lse[rows]), f"row {b}"
+
+
 @pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (4, 4), (8, 2), (6, 1), (32, 8)])
 def test_gqa_ratios(isa, hq, hkv, d):
