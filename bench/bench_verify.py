@@ -10,7 +10,11 @@ siblings sampled from q without replacement); V in {32000, 128256}; target logit
 probabilities (float32). These cases have draft probabilities q and draft tokens sampled from q,
 with q close to the target (so that several drafts get accepted, as in practice). "chain k=4,
 no q" takes the same tokens as deterministic drafts (an n-gram or prompt-lookup drafter: no
-``draft_probs``; a draft is accepted with p(x), the correction comes from p without it).
+``draft_probs``; a draft is accepted with p(x), the correction comes from p without it). Those
+drafts rarely match the flat targets, so the walk mostly stops at the root; "chain k=4, no q,
+p_top 0.8" is a drafter that agrees with the target: every target row puts 0.8 of its mass on
+one token and the deterministic draft is that token, so about 2.4 of 4 drafts are accepted and
+the walk reads several rows per sequence, as with an LLM and a good drafter.
 
 A second table times ``ops.sample`` (the non-speculative path, same processing and RNG) with
 plain, top-k 50, top-p 0.9 and top-k 50 + top-p 0.95 filtering against the usual PyTorch
@@ -200,15 +204,36 @@ def load_average() -> str:
         return "n/a"
 
 
-def make_case(b: int, parents: list[int] | None, n: int, v: int, gen: torch.Generator):
+def make_case(
+    b: int,
+    parents: list[int] | None,
+    n: int,
+    v: int,
+    gen: torch.Generator,
+    top_mass: float | None = None,
+):
     distinct = 16
     base = torch.randn(distinct, v, generator=gen) * 3
+    if top_mass is not None:
+        top = torch.randint(0, v, (distinct,), generator=gen)
+        # Give one token per row the probability top_mass: its logit is the log-sum-exp of the
+        # others plus log(top_mass / (1 - top_mass)).
+        rows = torch.arange(distinct)
+        others = base.clone()
+        others[rows, top] = -float("inf")
+        base[rows, top] = torch.logsumexp(others, -1) + torch.log(
+            torch.tensor(top_mass / (1.0 - top_mass))
+        )
     base_q = torch.softmax(base + torch.randn(distinct, v, generator=gen), -1)
     idx = torch.arange(b * n) % distinct
     target = base[idx].view(b, n, v)
     q = base_q[idx].view(b, n, v)
     tokens = torch.zeros(b, n, dtype=torch.int64)
-    if parents is None:
+    if top_mass is not None and parents is None:
+        # The drafter proposes each node's most likely child: the top token of its parent's row.
+        for i in range(1, n):
+            tokens[:, i] = top[idx.view(b, n)[:, i - 1]]
+    elif parents is None:
         draws = torch.multinomial(base_q, 64, replacement=True, generator=gen)
         for i in range(1, n):
             rows = idx.view(b, n)[:, i - 1]
@@ -297,9 +322,11 @@ def flashinfer_chain():
     return run
 
 
-def run_case(name, parents_list, n, v, b, gen, bw, hf_sampling, fi_chain, with_q=True) -> list[str]:
+def run_case(
+    name, parents_list, n, v, b, gen, bw, hf_sampling, fi_chain, with_q=True, top_mass=None
+) -> list[str]:
     out = []
-    target, q, tokens = make_case(b, parents_list, n, v, gen)
+    target, q, tokens = make_case(b, parents_list, n, v, gen, top_mass)
     if not with_q:
         q = None
     parents = None
@@ -418,20 +445,31 @@ def main() -> None:
         _speculative_sampling = None
     heap = [-1] + [(i - 1) // 2 for i in range(1, 64)]
     shapes = [
-        ("chain k=4", None, 5, True),
-        ("chain k=8", None, 9, True),
-        ("tree 64", heap, 64, True),
-        ("chain k=4, no q", None, 5, False),
+        ("chain k=4", None, 5, True, None),
+        ("chain k=8", None, 9, True, None),
+        ("tree 64", heap, 64, True, None),
+        ("chain k=4, no q", None, 5, False, None),
+        ("chain k=4, no q, p_top 0.8", None, 5, False, 0.8),
     ]
     batches = [8] if args.quick else [1, 8, 64]
     vocabs = (32000, 128256)
     if args.goal_row:
         shapes, batches, vocabs = shapes[:1], [64], (128256,)
-    for name, parents_list, n, with_q in shapes:
+    for name, parents_list, n, with_q, top_mass in shapes:
         for v in vocabs:
             for b in batches:
                 lines += run_case(
-                    name, parents_list, n, v, b, gen, bw, _speculative_sampling, fi_chain, with_q
+                    name,
+                    parents_list,
+                    n,
+                    v,
+                    b,
+                    gen,
+                    bw,
+                    _speculative_sampling,
+                    fi_chain,
+                    with_q,
+                    top_mass,
                 )
     if not args.goal_row:
         lines += sampling_rows(gen)

@@ -81,3 +81,21 @@ def test_torch_baseline_with_deterministic_drafts():
     assert num.tolist() == [2] * 64
     assert torch.equal(emitted[:, 0], tokens[:, 1].int())
     assert bool((emitted[:, 1] != tokens[:, 2].int()).all())
+
+
+def test_agreeing_drafter_case():
+    # top_mass: every target row gives one token that probability, and the deterministic draft
+    # of node i is the top token of node i - 1's row, so the accepted count follows a geometric
+    # law: E = 0.8 + 0.8^2 + 0.8^3 + 0.8^4 = 2.3616 of 4.
+    gen = torch.Generator().manual_seed(5)
+    b, v = 4000, 300
+    target, _, tokens = bench_verify.make_case(b, None, 5, v, gen, top_mass=0.8)
+    p = torch.softmax(target[:, :4], -1)
+    drafted = p.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(drafted, torch.full_like(drafted, 0.8), atol=1e-5)
+    assert torch.allclose(p.max(-1).values, drafted)
+    fn, _, visited, nbytes = bench_verify.native_op(target, None, tokens, None, "logits")
+    res = fn()
+    mean = float(res.num_accepted.float().mean())
+    assert abs(mean - 2.3616) < 0.08, mean
+    assert nbytes == visited * v * 4
