@@ -816,7 +816,7 @@ SD_TARGET_AVX512 void stream_partials_rows_f32(const float* q, int heads, int ro
   }
 }
 
-// ---- query rows in lanes (9 to 16 query rows per KV head) ----------------------------------
+// ---- query rows in lanes (9 to 16 query rows per KV head; bf16 on vdpbf16ps from 5) -------
 // From 9 query rows per KV head (T = 3 and 4 at GQA 4) the per-key dot products above cost as
 // many loads and stores as FMAs (a query load per FMA, a partial store per row and key, then
 // the lane sums): with the KV in cache they ran at about 45 % of the FMA rate. Here the query
@@ -826,6 +826,7 @@ SD_TARGET_AVX512 void stream_partials_rows_f32(const float* q, int heads, int ro
 // sums, and the online softmax of all the head's rows runs lane-wise: a vector max and an exp
 // per key, with the running maxima and sums of the rows in two vectors. The weights are then
 // transposed back to rows for the P V tiles of the streaming path.
+
 // qt[i * 16 + r] = 32-bit word i of row r, for rows r < rows of `words` words (stride floats
 // apart) and i < words; lanes r >= rows are zero.
 SD_TARGET_AVX512 SD_FORCE_INLINE void lanes_transpose(const float* q, int64_t stride, int rows,
@@ -906,7 +907,7 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void lane_weights(__m512* s, int n, int rows, f
   for (int r = 0; r < rows; ++r) _mm512_store_ps(p + r * kBlock, s[r]);
 }
 
-// lane_scores_f32 for keys of type DT: fp16 / bf16 keys are converted into kbuf first (16 rows
+// lane_scores_f32 for keys of type DT: fp16 / bf16 keys are converted into kbuf first (n rows
 // of D floats), which also keeps the 8 keys of a group off the few L1 sets that rows Hkv * D
 // apart map to.
 template <int D, AttnDType DT>
