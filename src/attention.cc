@@ -1112,6 +1112,21 @@ struct Avx512Kernels {
 #define SD_TARGET_AVX512BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
+// One step of an RB x CV register tile on bf16 pairs: acc[r][c] += a[r * a_stride] . b[c], the
+// pair word of row r broadcast against the CV pair-word vectors at b (64-byte aligned).
+template <int RB, int CV>
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void dp_tile_step(__m512 (&acc)[RB][CV], const uint32_t* a,
+                                                       int a_stride, const void* b) {
+  __m512bh bv[CV];
+  for (int c = 0; c < CV; ++c) {
+    bv[c] = (__m512bh)_mm512_load_si512(static_cast<const char*>(b) + 64 * c);
+  }
+  for (int r = 0; r < RB; ++r) {
+    const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * a_stride]));
+    for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], av, bv[c]);
+  }
+}
+
 template <int RB, int CV>
 SD_TARGET_AVX512BF16 SD_FORCE_INLINE void scores_tile_bf16(const uint32_t* q, int pairs,
                                                            const float* kt, float* s, float mult) {
@@ -1119,16 +1134,7 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void scores_tile_bf16(const uint32_t* q, in
   for (int r = 0; r < RB; ++r) {
     for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_setzero_ps();
   }
-  for (int i = 0; i < pairs; ++i) {
-    __m512bh k[CV];
-    for (int c = 0; c < CV; ++c) {
-      k[c] = (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(kt + i * kBlock + 16 * c));
-    }
-    for (int r = 0; r < RB; ++r) {
-      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * pairs + i]));
-      for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qv, k[c]);
-    }
-  }
+  for (int i = 0; i < pairs; ++i) dp_tile_step<RB, CV>(acc, q + i, pairs, kt + i * kBlock);
   const __m512 m = _mm512_set1_ps(mult);
   for (int r = 0; r < RB; ++r) {
     for (int c = 0; c < CV; ++c)
@@ -1310,14 +1316,7 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_tile_pairs(
     for (int j = 2 * m; j < 2 * m + 2 && j < n_next; ++j) {
       hint_next_row(next_k, next_v, j, rs, kTileBytes);
     }
-    __m512bh v[CV];
-    for (int c = 0; c < CV; ++c) {
-      v[c] = (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(vp + m * d + 16 * c));
-    }
-    for (int r = 0; r < RB; ++r) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[m * kLanes + r]));
-      for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, v[c]);
-    }
+    dp_tile_step<RB, CV>(acc, pw + m * kLanes, 1, vp + m * d);
   }
   for (int r = 0; r < RB; ++r) {
     for (int c = 0; c < CV; ++c) _mm512_storeu_ps(o + r * d + 16 * c, acc[r][c]);
