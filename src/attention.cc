@@ -1561,14 +1561,15 @@ inline uint64_t block_visibility(const uint32_t* mask_row, int query, int j0, in
 }
 
 struct Shape {
-  int64_t t;       // tree nodes T
-  int64_t g;       // query heads per KV head
-  int64_t d;       // head dim
-  int64_t rows;    // query rows per KV head, T * g
-  int64_t words;   // mask words per row
-  int64_t heads;   // KV heads per work item
-  int64_t splits;  // prefix splits per (sequence, head group)
-  int64_t split_keys;
+  int64_t t;                // tree nodes T
+  int64_t g;                // query heads per KV head
+  int64_t d;                // head dim
+  int64_t rows;             // query rows per KV head, T * g
+  int64_t words;            // mask words per row
+  int64_t heads;            // KV heads per work item
+  int64_t splits;           // prefix splits per (sequence, head group)
+  int64_t split_keys;       // prefix keys per split (see split_keys_of)
+  int64_t long_split_keys;  // the same for a prefix of at least kLongPrefix keys
 };
 
 // Row rr of a work item (heads kvh0 ..) is query head h of tree node t.
@@ -1814,8 +1815,22 @@ Shape make_shape(const AttentionArgs& a) {
   const bool grouped = sh.rows * a.kv_heads <= 128;
   sh.heads = grouped ? a.kv_heads : 1;
   sh.split_keys = grouped ? 256 : 2048;
+  sh.long_split_keys = grouped ? 1024 : 2048;
   sh.splits = 1;
   return sh;
+}
+
+// A prefix this long is split into longer pieces when its items take every KV head: each item
+// then starts (cold, with nothing hinted yet) a quarter as often. From DRAM, alternating
+// processes (Hq = 32, Hkv = 8, D = 128, B = 1, S = 16384): T = 1, 2 and 4 took 2-16 % less time
+// with 1024-key splits than with 256, B = 2 / S = 8192 bf16 T = 1 10 % less
+// (bench/results/attention_s10_long_splits.txt); a 16384-key prefix still makes 16 items.
+constexpr int64_t kLongPrefix = 8192;
+
+// Keys per split of a row with this prefix: a function of the row's own prefix only, so a row's
+// result never depends on the other rows of the batch.
+inline int64_t split_keys_of(const Shape& sh, int64_t prefix) {
+  return prefix >= kLongPrefix ? sh.long_split_keys : sh.split_keys;
 }
 
 template <class K, AttnDType DT>
@@ -1824,16 +1839,18 @@ void run(const AttentionArgs& a) {
   const int64_t batch = a.batch;
   const int64_t groups = a.kv_heads / sh.heads;
 
-  int64_t max_prefix = 0;
+  int64_t splits = 1;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t p = a.prefix_lens[b];
     const bool ok = p >= 0 && p + sh.t <= a.cache_len;
     a.status[b] = ok ? 0 : 1;
-    if (ok) max_prefix = std::max(max_prefix, p);
+    if (ok) {
+      const int64_t keys = split_keys_of(sh, p);
+      splits = std::max(splits, (p + keys - 1) / keys);
+    }
   }
-  // Every sequence uses the same number of splits so work items index simply; a sequence with a
-  // shorter prefix gets empty leading splits, which merge as the identity.
-  const int64_t splits = std::max<int64_t>(1, (max_prefix + sh.split_keys - 1) / sh.split_keys);
+  // Every sequence uses the same number of splits so work items index simply; a sequence with
+  // fewer splits of its own gets empty leading splits, which merge as the identity.
   sh.splits = splits;
   const int64_t items = batch * groups * splits;
   const int64_t item_rows = sh.heads * sh.rows;
@@ -1858,9 +1875,10 @@ void run(const AttentionArgs& a) {
       const int64_t prefix = a.prefix_lens[b];
       // Splits are counted back from the end of the prefix, so the last split, which also takes
       // the tree, holds the most recent keys; leading splits of shorter prefixes are empty.
-      const int64_t first = prefix - (splits - s) * sh.split_keys;
+      const int64_t keys = split_keys_of(sh, prefix);
+      const int64_t first = prefix - (splits - s) * keys;
       const int64_t kb = std::max<int64_t>(0, first);
-      const int64_t ke = std::max<int64_t>(0, first + sh.split_keys);
+      const int64_t ke = std::max<int64_t>(0, first + keys);
       const bool last = s == splits - 1;
       if (splits == 1) {
         run_item<K, DT>(a, sh, b, kvh0, 0, prefix, true,

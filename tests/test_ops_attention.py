@@ -226,6 +226,33 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(isa, t, dtype):
         assert torch.equal(l1, lse[rows]), f"row {b}"
 
 
+# From 8192 keys a row's prefix is cut into 1024-key splits instead of 256 when an item takes
+# every KV head (few rows per KV head): prefixes on both sides of that edge, a first split of a
+# single key, and short rows beside them in one batch.
+LONG_PREFIXES = [8191, 8192, 8193, 10000, 300, 0]
+
+
+@pytest.mark.parametrize("isa_name", STREAM_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 4])
+def test_long_prefix_splits(isa_name, t, dtype):
+    assert _C.set_attention_isa(isa_name)
+    q, k, v, lens, gen = make_case(6, t, 8, 2, 64, LONG_PREFIXES, dtype, seed=t)
+    try:
+        mask = ops.tree_info(random_parents(6, t, gen)).mask if t > 1 else None
+        out, lse = check(q, k, v, lens, mask)
+        # Each row alone gives the same bits (the split size follows the row's own prefix).
+        for b in (0, 1, 3, 4):
+            rows = slice(b, b + 1)
+            one_mask = mask[rows] if mask is not None else None
+            o1, l1 = ops.tree_attention(
+                q[rows], k[rows], v[rows], lens[rows], one_mask, return_lse=True
+            )
+            assert torch.equal(o1, out[rows]) and torch.equal(l1, lse[rows]), f"row {b}"
+    finally:
+        _C.set_attention_isa("")
+
+
 @pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (4, 4), (8, 2), (6, 1), (32, 8)])
 def test_gqa_ratios(isa, hq, hkv, d):
