@@ -895,14 +895,20 @@ SD_TARGET_AVX512 SD_FORCE_INLINE __m512 lane_softmax(__m512* s, int n, __m512* m
   return alpha;
 }
 
-// Finishes a lane block: the softmax update (state ml: 16 maxima then 16 sums), then the weights
-// transposed to rows, p[r * kBlock + j] for r < rows, and the rows' rescale factors alpha[r].
-SD_TARGET_AVX512 SD_FORCE_INLINE void lane_weights(__m512* s, int n, int rows, float* ml, float* p,
-                                                   float* alpha) {
+// lane_softmax on the lane state ml (16 maxima, then 16 sums), kept in memory between blocks;
+// the rows' rescale factors go to alpha[0 .. 16).
+SD_TARGET_AVX512 SD_FORCE_INLINE void lane_update(__m512* s, int n, float* ml, float* alpha) {
   __m512 m = _mm512_load_ps(ml), l = _mm512_load_ps(ml + kLanes);
   _mm512_store_ps(alpha, lane_softmax(s, n, &m, &l));
   _mm512_store_ps(ml, m);
   _mm512_store_ps(ml + kLanes, l);
+}
+
+// Finishes a lane block: lane_update, then the weights transposed to rows, p[r * kBlock + j] for
+// r < rows.
+SD_TARGET_AVX512 SD_FORCE_INLINE void lane_weights(__m512* s, int n, int rows, float* ml, float* p,
+                                                   float* alpha) {
+  lane_update(s, n, ml, alpha);
   transpose16(s);
   for (int r = 0; r < rows; ++r) _mm512_store_ps(p + r * kBlock, s[r]);
 }
@@ -1271,10 +1277,7 @@ SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, i
 // for m < 8 (keys >= n weigh 0).
 SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_weight_pairs(__m512* s, int n, float* ml,
                                                             uint32_t* pw, float* alpha) {
-  __m512 m = _mm512_load_ps(ml), l = _mm512_load_ps(ml + kLanes);
-  _mm512_store_ps(alpha, lane_softmax(s, n, &m, &l));
-  _mm512_store_ps(ml, m);
-  _mm512_store_ps(ml + kLanes, l);
+  lane_update(s, n, ml, alpha);
   for (int i = 0; i < kLanes / 2; ++i) {
     const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * i]));
     const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * i + 1]));
@@ -1512,19 +1515,20 @@ Isa current_isa() {
 struct Workspace {
   std::vector<float> storage;
   float *q, *o_prefix, *o_tree, *kt, *vb, *s, *alpha;
-  float *part, *sall;   // streaming path only: partial score vectors, scores of all rows
+  float *part, *sall;   // partial score vectors (streaming), scores of all rows (both paths)
   float *qt, *lane_ml;  // lane path only: each KV head's query in lanes, its lane softmax state
   SoftmaxState *st_prefix, *st_tree;
   std::vector<SoftmaxState> states;
 
-  // rows: query rows of the work item; stream: whether the streaming or lane prefix path runs;
+  // rows: query rows of the work item; stream: whether the streaming prefix path runs;
   // lane_heads: KV heads of the lane path (0 when it does not run).
   void reserve(int64_t rows, int64_t d, bool stream, int64_t lane_heads) {
     auto up = [](int64_t n) { return (n + 15) / 16 * 16; };
-    const int64_t stream_need = stream ? rows * kStreamKeys * 16 + rows * kBlock : 0;
+    const int64_t part_need = stream ? rows * kStreamKeys * 16 : 0;
+    const int64_t sall_need = stream || lane_heads > 0 ? rows * kBlock : 0;
     const int64_t lane_need = lane_heads * (d * kLanes + 2 * kLanes);
     const int64_t need = 3 * up(rows * d) + kBlock * up(d) + kBlock * up(d) + kRowTile * kBlock +
-                         up(rows) + stream_need + lane_need + 16;
+                         up(rows) + part_need + sall_need + lane_need + 16;
     if (static_cast<int64_t>(storage.size()) < need) storage.assign(need, 0.0f);
     float* base = storage.data();
     base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;  // 64-byte
@@ -1536,8 +1540,8 @@ struct Workspace {
     s = vb + kBlock * up(d);
     alpha = s + kRowTile * kBlock;
     part = alpha + up(rows);  // 64-byte aligned: every size above is a multiple of 16 floats
-    sall = part + rows * kStreamKeys * 16;
-    qt = sall + (stream ? rows * kBlock : 0);
+    sall = part + part_need;
+    qt = sall + sall_need;
     lane_ml = qt + lane_heads * d * kLanes;
     states.resize(2 * rows);
     st_prefix = states.data();
@@ -1748,7 +1752,7 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   Workspace& ws = thread_workspace();
   const int64_t rows = sh.heads * sh.rows;
   const bool stream = use_stream<K>(sh), lanes = use_lanes<K>(sh);
-  ws.reserve(rows, sh.d, stream || lanes, lanes ? sh.heads : 0);
+  ws.reserve(rows, sh.d, stream, lanes ? sh.heads : 0);
   const int d = static_cast<int>(sh.d);
   const T* q = static_cast<const T*>(a.q);
   const float mult = a.scale * kLog2e;

@@ -84,6 +84,18 @@ def check(q, k, v, lens, mask, scale=None):
     return out, lse
 
 
+def assert_rows_alone_equal(q, k, v, lens, mask, out, lse, batch_rows):
+    """Each row b of batch_rows, run alone, gives the bits of (out, lse) of the whole batch."""
+    for b in batch_rows:
+        rows = slice(b, b + 1)
+        one_mask = mask[rows] if mask is not None else None
+        o1, l1 = ops.tree_attention(
+            q[rows], k[rows], v[rows], lens[rows], one_mask, return_lse=True
+        )
+        assert torch.equal(o1, out[rows]), f"row {b}"
+        assert torch.equal(l1, lse[rows]), f"row {b}"
+
+
 # ---- correctness -------------------------------------------------------------------------
 
 
@@ -216,14 +228,7 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(isa, t, dtype):
     q, k, v, lens, gen = make_case(len(prefixes), t, 32, 8, 128, prefixes, dtype, seed=t)
     mask = ops.tree_info(random_parents(len(prefixes), t, gen)).mask if t > 1 else None
     out, lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
-    for b in range(len(prefixes)):
-        rows = slice(b, b + 1)
-        one_mask = mask[rows] if mask is not None else None
-        o1, l1 = ops.tree_attention(
-            q[rows], k[rows], v[rows], lens[rows], one_mask, return_lse=True
-        )
-        assert torch.equal(o1, out[rows]), f"row {b}"
-        assert torch.equal(l1, lse[rows]), f"row {b}"
+    assert_rows_alone_equal(q, k, v, lens, mask, out, lse, range(len(prefixes)))
 
 
 # From 8192 keys a row's prefix is cut into 1024-key splits instead of 256 when an item takes
@@ -242,13 +247,7 @@ def test_long_prefix_splits(isa_name, t, dtype):
         mask = ops.tree_info(random_parents(6, t, gen)).mask if t > 1 else None
         out, lse = check(q, k, v, lens, mask)
         # Each row alone gives the same bits (the split size follows the row's own prefix).
-        for b in (0, 1, 3, 4):
-            rows = slice(b, b + 1)
-            one_mask = mask[rows] if mask is not None else None
-            o1, l1 = ops.tree_attention(
-                q[rows], k[rows], v[rows], lens[rows], one_mask, return_lse=True
-            )
-            assert torch.equal(o1, out[rows]) and torch.equal(l1, lse[rows]), f"row {b}"
+        assert_rows_alone_equal(q, k, v, lens, mask, out, lse, (0, 1, 3, 4))
     finally:
         _C.set_attention_isa("")
 
