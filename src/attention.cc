@@ -5,10 +5,10 @@
 // of kBlock positions: the block's keys are converted to fp32 and transposed (so the score tile
 // is a small register-blocked GEMM), its values converted to fp32, and every query row updates
 // its online-softmax state with the shared math of specdecode/attention.h. With few query rows
-// per KV head the prefix takes one of two cheaper paths on AVX2 / AVX-512: up to 8 rows the
-// streaming path (stream_range: per-key dot products, the cache read in address order), from 9
-// to 16 rows on AVX-512 (from 5 for bf16 with AVX512_BF16) the lane path (lane_range: the rows
-// of a KV head in the lanes of one vector).
+// per KV head the prefix takes one of two cheaper paths on AVX2 / AVX-512: the streaming path
+// (stream_range: per-key dot products, the cache read in address order; up to 8 rows on AVX2, 4
+// on AVX-512), and from 5 to 16 rows on AVX-512 the lane path (lane_range: the rows of a KV head
+// in the lanes of one vector).
 //
 // The prefix [0, prefix_len) is dense and unmasked; the tree [prefix_len, prefix_len + T) uses
 // the bitmask. They accumulate into separate states that are merged with the log-sum-exp rule,
@@ -195,6 +195,9 @@ struct GenericKernels {
 #ifdef SD_X86
 #define SD_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define SD_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+// AVX-512 with AVX512_BF16 (vdpbf16ps, vcvtneps2bf16): see Avx512Bf16Kernels.
+#define SD_TARGET_AVX512BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
 // 2^f on |f| <= 1/2 for exp2_avx2 and exp2_avx512: the degree-7 Taylor polynomial of 2^f,
 // coefficients ln2^k / k! from k = 7 down to 0 (relative error < 1e-8, below fp32 rounding).
@@ -588,18 +591,114 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void transpose16(__m512* r) {
   }
 }
 
+// ---- lane vectors --------------------------------------------------------------------------
+// The lane path (lane_range) keeps the query rows of a KV head in the lanes of one vector:
+// Lanes16 (zmm) for 9 to 16 rows, Lanes8 (ymm, with AVX-512VL's masks, embedded broadcasts and
+// vscalefps) for up to 8. A zmm instruction on 8 rows would leave half its lanes idle, and on
+// Zen 4 it occupies the two 256-bit pipes for as long as two ymm instructions, so 8 rows in 8
+// lanes run at the rate of 16 rows in 16. The bf16 members (vdpbf16ps, pair words) need
+// AVX512_BF16.
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kW = 16;
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V zero() { return _mm512_setzero_ps(); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V set1(float x) { return _mm512_set1_ps(x); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V load(const float* p) { return _mm512_load_ps(p); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static void store(float* p, V x) { _mm512_store_ps(p, x); }
+  // The first w < 16 floats at p (unaligned), zeros above.
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V load_first(const float* p, int w) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << w) - 1u), p);
+  }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V fmadd(V a, V b, V c) {
+    return _mm512_fmadd_ps(a, b, c);
+  }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V round(V x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V scalef(V x, V n) { return _mm512_scalef_ps(x, n); }
+  // b where b > a, else a (NaN-free compare: an unordered lane keeps a).
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V select_greater(V a, V b) {
+    return _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(b, a, _CMP_GT_OQ), b);
+  }
+  // 0 where x is -inf, else x.
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V zero_if_ninf(V x) {
+    return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                              _mm512_setzero_ps());
+  }
+  // r[i] = row i of a 16 x 16 tile on entry, column i on exit.
+  SD_TARGET_AVX512 SD_FORCE_INLINE static void transpose(V* r) { transpose16(r); }
+  // acc + the dot products of the bf16 pair words at qw (one per lane) with the pair word w.
+  SD_TARGET_AVX512BF16 SD_FORCE_INLINE static V dp_pair(V acc, const float* qw, uint32_t w) {
+    const __m512bh qv = (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(qw));
+    return _mm512_dpbf16_ps(acc, qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(w)));
+  }
+  // pw[r] = (bf16(a[r]), bf16(b[r])) as one 32-bit word per lane r.
+  SD_TARGET_AVX512BF16 SD_FORCE_INLINE static void store_pairs(uint32_t* pw, V a, V b) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+    _mm512_store_si512(pw, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+};
+
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kW = 8;
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V zero() { return _mm256_setzero_ps(); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V set1(float x) { return _mm256_set1_ps(x); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V load(const float* p) { return _mm256_load_ps(p); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static void store(float* p, V x) { _mm256_store_ps(p, x); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V load_first(const float* p, int w) {
+    return _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << w) - 1u), p);
+  }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V fmadd(V a, V b, V c) {
+    return _mm256_fmadd_ps(a, b, c);
+  }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V round(V x) {
+    return _mm256_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V scalef(V x, V n) { return _mm256_scalef_ps(x, n); }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V select_greater(V a, V b) {
+    return _mm256_mask_mov_ps(a, _mm256_cmp_ps_mask(b, a, _CMP_GT_OQ), b);
+  }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V zero_if_ninf(V x) {
+    return _mm256_mask_mov_ps(x, _mm256_cmp_ps_mask(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                              _mm256_setzero_ps());
+  }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static void transpose(V* r) { transpose8(r); }
+  SD_TARGET_AVX512BF16 SD_FORCE_INLINE static V dp_pair(V acc, const float* qw, uint32_t w) {
+    const __m256bh qv = (__m256bh)_mm256_load_si256(reinterpret_cast<const __m256i*>(qw));
+    return _mm256_dpbf16_ps(acc, qv, (__m256bh)_mm256_set1_epi32(static_cast<int>(w)));
+  }
+  SD_TARGET_AVX512BF16 SD_FORCE_INLINE static void store_pairs(uint32_t* pw, V a, V b) {
+    const __m256i lo = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(a));
+    const __m256i hi = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(b));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pw),
+                       _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
+  }
+};
+
 // 2^x for x <= 0 (scores minus the running max): x = n + f with |f| <= 1/2, 2^f by a degree-7
 // Taylor polynomial (relative error < 1e-8, below fp32 rounding), scaled by 2^n with vscalefps.
 // Inputs below -200 clamp there, which scales to exactly 0, so masked (-inf) scores give 0; the
 // clamp keeps NaN (vmaxps returns its second operand when either is NaN).
-SD_TARGET_AVX512 SD_FORCE_INLINE __m512 exp2_avx512(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
-  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
-  return _mm512_scalef_ps(p, n);
+template <class L>
+SD_TARGET_AVX512 SD_FORCE_INLINE typename L::V exp2_lanes(typename L::V x) {
+  x = L::max(L::set1(-200.0f), x);
+  const typename L::V n = L::round(x);
+  const typename L::V f = L::sub(x, n);
+  typename L::V p = L::set1(kExp2Poly[0]);
+  for (int i = 1; i < 8; ++i) p = L::fmadd(p, f, L::set1(kExp2Poly[i]));
+  return L::scalef(p, n);
 }
+SD_TARGET_AVX512 SD_FORCE_INLINE __m512 exp2_avx512(__m512 x) { return exp2_lanes<Lanes16>(x); }
 
 // s[r][16 c .. 16 c + 16) for c < CV of RB rows: the key vectors kt[i][16 c ..].
 template <int RB, int CV>
@@ -816,55 +915,62 @@ SD_TARGET_AVX512 void stream_partials_rows_f32(const float* q, int heads, int ro
   }
 }
 
-// ---- query rows in lanes (9 to 16 query rows per KV head; bf16 on vdpbf16ps from 5) -------
-// From 9 query rows per KV head (T = 3 and 4 at GQA 4) the per-key dot products above cost as
-// many loads and stores as FMAs (a query load per FMA, a partial store per row and key, then
-// the lane sums): with the KV in cache they ran at about 45 % of the FMA rate. Here the query
-// rows of a KV head are the 16 lanes of one vector instead. The head's query is transposed once
-// per work item (qt[i] = element i of every row) and each key element is broadcast from memory
-// into its FMA, so a block's scores come out as one vector per key (lane r = row r) without lane
-// sums, and the online softmax of all the head's rows runs lane-wise: a vector max and an exp
-// per key, with the running maxima and sums of the rows in two vectors. The weights are then
-// transposed back to rows for the P V tiles of the streaming path.
+// ---- query rows in lanes (5 to 16 query rows per KV head) ----------------------------------
+// With more than a few query rows per KV head the per-key dot products of the streaming path
+// cost as many loads and stores as FMAs (a query load per FMA, a partial store per row and key,
+// then the lane sums): with the KV in cache they ran at about 45 % of the FMA rate. Here the
+// query rows of a KV head are the lanes of one vector instead (Lanes16 or Lanes8). The head's
+// query is transposed once per work item (qt[i] = element i of every row) and each key element
+// is broadcast from memory into its FMA, so a block's scores come out as one vector per key
+// (lane r = row r) without lane sums, and the online softmax of all the head's rows runs
+// lane-wise: a vector max and an exp per key, with the running maxima and sums of the rows in
+// two vectors. The weights are then transposed back to rows for the P V tiles of the streaming
+// path.
 
-// qt[i * 16 + r] = 32-bit word i of row r, for rows r < rows of `words` words (stride floats
+// qt[i * L::kW + r] = 32-bit word i of row r, for rows r < rows of `words` words (stride floats
 // apart) and i < words; lanes r >= rows are zero.
+template <class L>
 SD_TARGET_AVX512 SD_FORCE_INLINE void lanes_transpose(const float* q, int64_t stride, int rows,
                                                       int words, float* qt) {
-  for (int c = 0; c < words; c += 16) {
-    const int w = std::min(16, words - c);
-    const __mmask16 mk = static_cast<__mmask16>((1u << w) - 1u);
-    __m512 r[16];
-    for (int i = 0; i < 16; ++i) {
-      r[i] = i < rows ? _mm512_maskz_loadu_ps(mk, q + i * stride + c) : _mm512_setzero_ps();
-    }
-    transpose16(r);
-    for (int i = 0; i < w; ++i) _mm512_store_ps(qt + (c + i) * kLanes, r[i]);
+  constexpr int W = L::kW;
+  for (int c = 0; c < words; c += W) {
+    const int w = std::min(W, words - c);
+    typename L::V r[W];
+    for (int i = 0; i < W; ++i) r[i] = i < rows ? L::load_first(q + i * stride + c, w) : L::zero();
+    L::transpose(r);
+    for (int i = 0; i < w; ++i) L::store(qt + (c + i) * W, r[i]);
   }
 }
 
 // s[j] = sum_i qt[i] * kp[j][i] for 8 keys: every key element is broadcast into its FMA.
-template <int D>
+template <int D, class L>
 SD_TARGET_AVX512 SD_FORCE_INLINE void lane_dots_f32(const float* qt, const float* const* kp,
-                                                    __m512* s) {
-  __m512 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+                                                    typename L::V* s) {
+  typename L::V acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = L::zero();
   for (int i = 0; i < D; ++i) {
-    const __m512 qv = _mm512_load_ps(qt + kLanes * i);
-    for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kp[j][i]), acc[j]);
+    const typename L::V qv = L::load(qt + L::kW * i);
+    for (int j = 0; j < 8; ++j) acc[j] = L::fmadd(qv, L::set1(kp[j][i]), acc[j]);
   }
   for (int j = 0; j < 8; ++j) s[j] = acc[j];
 }
 
-// Scores s[j] of keys j < n <= 16 (rows rs floats apart) in groups of 8; a partial group
-// repeats key n - 1, and s[j] for j >= n is left for lane_softmax to mask.
-template <int D>
+// The keys of group g (g .. g + 7) of a lane block of keys j < n <= 16, rows rs elements apart:
+// a partial group repeats key n - 1, and the scores s[j] of keys j >= n are left for
+// lane_softmax to mask.
+template <class T>
+SD_FORCE_INLINE void lane_group_keys(const T* k, int64_t rs, int n, int g, const T** kp) {
+  for (int j = 0; j < 8; ++j) kp[j] = k + std::min(g + j, n - 1) * rs;
+}
+
+// Scores s[j] of keys j < n <= 16 (rows rs floats apart) in groups of 8 (lane_group_keys).
+template <int D, class L>
 SD_TARGET_AVX512 SD_FORCE_INLINE void lane_scores_f32(const float* qt, const float* k, int64_t rs,
-                                                      int n, __m512* s) {
+                                                      int n, typename L::V* s) {
   for (int g = 0; g < n; g += 8) {
     const float* kp[8];
-    for (int j = 0; j < 8; ++j) kp[j] = k + std::min(g + j, n - 1) * rs;
-    lane_dots_f32<D>(qt, kp, s + g);
+    lane_group_keys(k, rs, n, g, kp);
+    lane_dots_f32<D, L>(qt, kp, s + g);
   }
 }
 
@@ -872,98 +978,108 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void lane_scores_f32(const float* qt, const flo
 // 2^(s - softmax_reference(m))), lane-wise for the scores s[j] of keys j < n: s[j] becomes the
 // weight of key j (0 for j >= n); m and l hold the running max and sum of every lane. Returns
 // the factors that rescale the rows' accumulators.
-SD_TARGET_AVX512 SD_FORCE_INLINE __m512 lane_softmax(__m512* s, int n, __m512* m, __m512* l) {
-  const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  for (int j = n; j < kLanes; ++j) s[j] = ninf;
-  __m512 x[8];
-  for (int j = 0; j < 8; ++j) x[j] = _mm512_max_ps(s[j], s[j + 8]);
-  for (int j = 0; j < 4; ++j) x[j] = _mm512_max_ps(x[j], x[j + 4]);
-  const __m512 block_max = _mm512_max_ps(_mm512_max_ps(x[0], x[2]), _mm512_max_ps(x[1], x[3]));
+template <class L>
+SD_TARGET_AVX512 SD_FORCE_INLINE typename L::V lane_softmax(typename L::V* s, int n,
+                                                            typename L::V* m, typename L::V* l) {
+  using V = typename L::V;
+  for (int j = n; j < kStreamKeys; ++j) s[j] = L::set1(-INFINITY);
+  V x[8];
+  for (int j = 0; j < 8; ++j) x[j] = L::max(s[j], s[j + 8]);
+  for (int j = 0; j < 4; ++j) x[j] = L::max(x[j], x[j + 4]);
+  const V block_max = L::max(L::max(x[0], x[2]), L::max(x[1], x[3]));
   // As softmax_rescale: the max rises only where the block's max is greater.
-  const __m512 new_max =
-      _mm512_mask_mov_ps(*m, _mm512_cmp_ps_mask(block_max, *m, _CMP_GT_OQ), block_max);
-  const __m512 ref = _mm512_mask_mov_ps(new_max, _mm512_cmp_ps_mask(new_max, ninf, _CMP_EQ_OQ),
-                                        _mm512_setzero_ps());
-  const __m512 alpha = exp2_avx512(_mm512_sub_ps(*m, ref));
-  __m512 sum = _mm512_setzero_ps();
-  for (int j = 0; j < kLanes; ++j) {
-    s[j] = exp2_avx512(_mm512_sub_ps(s[j], ref));
-    sum = _mm512_add_ps(sum, s[j]);
+  const V new_max = L::select_greater(*m, block_max);
+  const V ref = L::zero_if_ninf(new_max);
+  const V alpha = exp2_lanes<L>(L::sub(*m, ref));
+  V sum = L::zero();
+  for (int j = 0; j < kStreamKeys; ++j) {
+    s[j] = exp2_lanes<L>(L::sub(s[j], ref));
+    sum = L::add(sum, s[j]);
   }
   *m = new_max;
-  *l = _mm512_add_ps(_mm512_mul_ps(*l, alpha), sum);
+  *l = L::add(L::mul(*l, alpha), sum);
   return alpha;
 }
 
-// lane_softmax on the lane state ml (16 maxima, then 16 sums), kept in memory between blocks;
-// the rows' rescale factors go to alpha[0 .. 16).
-SD_TARGET_AVX512 SD_FORCE_INLINE void lane_update(__m512* s, int n, float* ml, float* alpha) {
-  __m512 m = _mm512_load_ps(ml), l = _mm512_load_ps(ml + kLanes);
-  _mm512_store_ps(alpha, lane_softmax(s, n, &m, &l));
-  _mm512_store_ps(ml, m);
-  _mm512_store_ps(ml + kLanes, l);
+// lane_softmax on the lane state ml (the maxima in ml[0 .. kW), the sums in ml[kLanes ..)), kept
+// in memory between blocks; the rows' rescale factors go to alpha[0 .. kW).
+template <class L>
+SD_TARGET_AVX512 SD_FORCE_INLINE void lane_update(typename L::V* s, int n, float* ml,
+                                                  float* alpha) {
+  typename L::V m = L::load(ml), l = L::load(ml + kLanes);
+  L::store(alpha, lane_softmax<L>(s, n, &m, &l));
+  L::store(ml, m);
+  L::store(ml + kLanes, l);
 }
 
 // Finishes a lane block: lane_update, then the weights transposed to rows, p[r * kBlock + j] for
-// r < rows.
-SD_TARGET_AVX512 SD_FORCE_INLINE void lane_weights(__m512* s, int n, int rows, float* ml, float* p,
-                                                   float* alpha) {
-  lane_update(s, n, ml, alpha);
-  transpose16(s);
-  for (int r = 0; r < rows; ++r) _mm512_store_ps(p + r * kBlock, s[r]);
+// r < rows and the block's 16 keys j.
+template <class L>
+SD_TARGET_AVX512 SD_FORCE_INLINE void lane_weights(typename L::V* s, int n, int rows, float* ml,
+                                                   float* p, float* alpha) {
+  constexpr int W = L::kW;
+  lane_update<L>(s, n, ml, alpha);
+  // Keys [j0, j0 + W) as a W x W tile: after its transpose s[j0 + r] holds row r's weights.
+  for (int j0 = 0; j0 < kStreamKeys; j0 += W) {
+    L::transpose(s + j0);
+    for (int r = 0; r < rows; ++r) L::store(p + r * kBlock + j0, s[j0 + r]);
+  }
 }
 
 // lane_scores_f32 for keys of type DT: fp16 / bf16 keys are converted into kbuf first (n rows
 // of D floats), which also keeps the 8 keys of a group off the few L1 sets that rows Hkv * D
 // apart map to.
-template <int D, AttnDType DT>
+template <int D, AttnDType DT, class L>
 SD_TARGET_AVX512 void lane_block_scores(const float* qt, const typename Elem<DT>::T* k, int64_t rs,
-                                        int n, float* kbuf, __m512* s) {
+                                        int n, float* kbuf, typename L::V* s) {
   if constexpr (DT == AttnDType::kFloat32) {
-    lane_scores_f32<D>(qt, k, rs, n, s);
+    lane_scores_f32<D, L>(qt, k, rs, n, s);
   } else {
     for (int j = 0; j < n; ++j) {
       for (int c = 0; c < D; c += 16) _mm512_store_ps(kbuf + j * D + c, load16<DT>(k + j * rs + c));
     }
-    lane_scores_f32<D>(qt, kbuf, D, n, s);
+    lane_scores_f32<D, L>(qt, kbuf, D, n, s);
   }
 }
 
 struct Avx512Kernels {
   static constexpr bool kStream = true;
-  // Up to 8 rows (T <= 2 at GQA 4) the prefix takes the streaming path (stream_range), which is
-  // bound by the read of the cache there; with 8 rows the lane path (half its lanes empty) was
-  // within +-10 % of it for fp32 (bf16 with AVX512_BF16 switches earlier: Avx512Bf16Kernels).
-  static constexpr int kStreamRows = 8;
-  // From 9 to 16 rows (T = 3 and 4 at GQA 4) it takes the lane path (lane_range). Against the
-  // streaming path, from DRAM, same inputs in alternating processes (Hq = 32, Hkv = 8, D = 128,
-  // S = 4096): T = 3 and 4 took 18-26 % less time for fp32 and 19-26 % for bf16, B = 1 and 8
-  // (bench/RESULTS.md). Before, the streaming path also took these rows: it had been 5-25 %
-  // faster than the tiles, which transpose every key block and read each KV head's keys a
-  // 4 KiB page apart.
+  // Up to 4 rows (T = 1 at GQA 4) the prefix takes the streaming path (stream_range), which is
+  // bound by the read of the cache there; at 4 rows the lane path was 10-55 % slower.
+  static constexpr int kStreamRows = 4;
+  // From 5 to 16 rows (T = 2 to 4 at GQA 4, T = 1 and 2 at GQA 8) it takes the lane path
+  // (lane_range; 8 lanes up to 8 rows, 16 above). Against the streaming path, from DRAM, same
+  // inputs in alternating processes (Hq = 32, Hkv = 8, D = 128, S = 4096): T = 3 and 4 took
+  // 18-26 % less time for fp32 and 19-26 % for bf16, B = 1 and 8. At 8 rows (T = 2), one thread
+  // with the KV in cache, 8 lanes took 17 % less time than the streaming path for fp32 and 12 %
+  // less than 16 lanes for bf16; from DRAM, two threads, 6-18 % less (bench/RESULTS.md). Before,
+  // the streaming path took up to 16 rows: it had been 5-25 % faster than the tiles, which
+  // transpose every key block and read each KV head's keys a 4 KiB page apart.
   static constexpr int kLaneRows = 16;
   // 32-bit words per query row in the lane layout: the fp32 elements.
   template <AttnDType DT>
   static constexpr int lane_words(int d) {
     return d;
   }
-  // One KV head's query rows (stride floats apart, `words` words each) in the lane layout.
+  // One KV head's query rows (stride floats apart, `words` words each) in the lane layout of L.
+  template <class L>
   SD_TARGET_AVX512 static void lane_query(const float* q, int64_t stride, int rows, int words,
                                           float* qt) {
-    lanes_transpose(q, stride, rows, words, qt);
+    lanes_transpose<L>(q, stride, rows, words, qt);
   }
   // Keys [0, n) <= 16 of one KV head (rows rs apart) against the head's lane query qt: the
   // softmax update of the lane state ml and the weights p / rescale factors alpha of the rows
   // (lane_weights). fp16 / bf16 keys are first converted into kbuf (16 x d floats). The query
   // rows are pre-scaled.
-  template <AttnDType DT>
+  template <AttnDType DT, class L>
   SD_TARGET_AVX512 static void lane_block(const float* qt, int d, int rows,
                                           const typename Elem<DT>::T* k, int64_t rs, int n, float,
                                           float* kbuf, float* ml, float* p, float* alpha) {
-    __m512 s[kLanes];
-    with_head_dim(
-        d, [&](auto dim) { lane_block_scores<decltype(dim)::value, DT>(qt, k, rs, n, kbuf, s); });
-    lane_weights(s, n, rows, ml, p, alpha);
+    typename L::V s[kStreamKeys];
+    with_head_dim(d, [&](auto dim) {
+      lane_block_scores<decltype(dim)::value, DT, L>(qt, k, rs, n, kbuf, s);
+    });
+    lane_weights<L>(s, n, rows, ml, p, alpha);
   }
   // P V of a lane block: the weights p of lane_block against the values of keys [0, n) of the
   // KV head (rows rs apart), with the hints of the head's next block as in pv_stream. vbuf:
@@ -1115,9 +1231,6 @@ struct Avx512Kernels {
 // same fp32-accumulated dot product as converting first (up to summation order), at twice the
 // rate. The query stays unscaled (scaling it would round it) and the scale is applied to the
 // scores. Everything after the scores is the fp32 code of Avx512Kernels.
-#define SD_TARGET_AVX512BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
-
 // One step of an RB x CV register tile on bf16 pairs: acc[r][c] += a[r * a_stride] . b[c], the
 // pair word of row r broadcast against the CV pair-word vectors at b (64-byte aligned).
 template <int RB, int CV>
@@ -1239,31 +1352,30 @@ SD_TARGET_AVX512BF16 void stream_partials_rows_bf16(const float* q, int heads, i
 
 // s[j] = mult * sum_i qt[i] . kp[j][i] over the W bf16 pairs of 8 keys (vdpbf16ps, each pair of
 // key elements broadcast from memory as one 32-bit word).
-template <int W>
+template <int W, class L>
 SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_dots_bf16(const float* qt, const uint16_t* const* kp,
-                                                         float mult, __m512* s) {
-  __m512 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+                                                         float mult, typename L::V* s) {
+  typename L::V acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = L::zero();
   for (int i = 0; i < W; ++i) {
-    const __m512bh qv = (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(qt + kLanes * i));
     for (int j = 0; j < 8; ++j) {
       uint32_t w;
       std::memcpy(&w, kp[j] + 2 * i, sizeof(w));
-      acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(w)));
+      acc[j] = L::dp_pair(acc[j], qt + L::kW * i, w);
     }
   }
-  const __m512 m = _mm512_set1_ps(mult);
-  for (int j = 0; j < 8; ++j) s[j] = _mm512_mul_ps(acc[j], m);
+  const typename L::V m = L::set1(mult);
+  for (int j = 0; j < 8; ++j) s[j] = L::mul(acc[j], m);
 }
 
 // As lane_scores_f32 on raw bf16 keys and pair words of the query (D / 2 per row).
-template <int D>
+template <int D, class L>
 SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, int64_t rs, int n,
-                                           float mult, __m512* s) {
+                                           float mult, typename L::V* s) {
   for (int g = 0; g < n; g += 8) {
     const uint16_t* kp[8];
-    for (int j = 0; j < 8; ++j) kp[j] = k + std::min(g + j, n - 1) * rs;
-    lane_dots_bf16<D / 2>(qt, kp, mult, s + g);
+    lane_group_keys(k, rs, n, g, kp);
+    lane_dots_bf16<D / 2, L>(qt, kp, mult, s + g);
   }
 }
 
@@ -1274,15 +1386,12 @@ SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, i
 // 16 columns, staged once per block.
 
 // As lane_weights, with the weights as bf16 pair words: pw[m * 16 + r] = (P[r][2m], P[r][2m + 1])
-// for m < 8 (keys >= n weigh 0).
-SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_weight_pairs(__m512* s, int n, float* ml,
+// for the block's 8 key pairs m and the rows r < L::kW (keys >= n weigh 0).
+template <class L>
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_weight_pairs(typename L::V* s, int n, float* ml,
                                                             uint32_t* pw, float* alpha) {
-  lane_update(s, n, ml, alpha);
-  for (int i = 0; i < kLanes / 2; ++i) {
-    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * i]));
-    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * i + 1]));
-    _mm512_store_si512(pw + kLanes * i, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-  }
+  lane_update<L>(s, n, ml, alpha);
+  for (int m = 0; m < kStreamKeys / 2; ++m) L::store_pairs(pw + kLanes * m, s[2 * m], s[2 * m + 1]);
 }
 
 // vp[m * d + c] = (v[2m][c], v[2m + 1][c]) as bf16 pair words for keys [0, n) (rows rs apart);
@@ -1352,10 +1461,6 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_rows_pairs(
 }
 
 struct Avx512Bf16Kernels : Avx512Kernels {
-  // With both products on vdpbf16ps the lane path is faster than the streaming path from 5 rows
-  // on (8 rows, from DRAM, alternating processes: T = 2 at GQA 4 and T = 1 at GQA 8 took 7-22 %
-  // less time, bench/RESULTS.md); fp32 and fp16 switch at 9 rows (at 8 rows: within +-10 %).
-  static constexpr int kStreamRows = 4;
   // As Avx512Kernels::stream_scores with raw bf16 query rows; the scale is applied to the sums.
   template <AttnDType DT>
   SD_TARGET_AVX512BF16 static void stream_scores(const float* q, int heads, int rows, int d,
@@ -1374,15 +1479,15 @@ struct Avx512Bf16Kernels : Avx512Kernels {
   }
   // As Avx512Kernels::lane_block with vdpbf16ps on the raw bf16 keys; the scale is applied to
   // the sums.
-  template <AttnDType DT>
+  template <AttnDType DT, class L>
   SD_TARGET_AVX512BF16 static void lane_block(const float* qt, int d, int rows, const uint16_t* k,
                                               int64_t rs, int n, float mult, float*, float* ml,
                                               float* p, float* alpha) {
     static_assert(DT == AttnDType::kBFloat16, "bf16 only");
-    __m512 s[kLanes];
-    with_head_dim(d,
-                  [&](auto dim) { lane_scores_bf16<decltype(dim)::value>(qt, k, rs, n, mult, s); });
-    lane_weight_pairs(s, n, ml, reinterpret_cast<uint32_t*>(p), alpha);
+    typename L::V s[kStreamKeys];
+    with_head_dim(
+        d, [&](auto dim) { lane_scores_bf16<decltype(dim)::value, L>(qt, k, rs, n, mult, s); });
+    lane_weight_pairs<L>(s, n, ml, reinterpret_cast<uint32_t*>(p), alpha);
   }
   // As Avx512Kernels::lane_pv on vdpbf16ps: p holds the weight pair words of lane_block, and the
   // values are staged as pair words into vbuf first.
@@ -1701,44 +1806,55 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
 }
 
 // The prefix keys [begin, end) of the item's KV heads with the query rows of each KV head in
-// lanes (lanes_transpose), in blocks of kStreamKeys keys: per KV head the scores and the
+// the lanes of L (lanes_transpose), in blocks of kStreamKeys keys: per KV head the scores and the
 // lane-wise softmax update (K::lane_block), then the P V tiles of the streaming path, which hint
 // the head's next block into L2 as in stream_range. Same state and accumulator contract as
 // attend_range.
+template <class K, AttnDType DT, class L>
+void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
+                   const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws,
+                   float* o, SoftmaxState* st) {
+  const int d = static_cast<int>(sh.d);
+  const int rows = static_cast<int>(sh.rows);
+  const int heads = static_cast<int>(sh.heads);
+  const int64_t rs = a.kv_strides[1], hs = a.kv_strides[2];
+  const int64_t words = K::template lane_words<DT>(d);
+  std::fill(o, o + sh.heads * sh.rows * sh.d, 0.0f);
+  for (int h = 0; h < heads; ++h) {
+    K::template lane_query<L>(ws.q + static_cast<int64_t>(h) * rows * d, d, rows,
+                              static_cast<int>(words), ws.qt + h * words * L::kW);
+    float* ml = ws.lane_ml + h * 2 * kLanes;
+    std::fill(ml, ml + kLanes, -INFINITY);
+    std::fill(ml + kLanes, ml + 2 * kLanes, 0.0f);
+  }
+  for (int64_t j0 = begin; j0 < end; j0 += kStreamKeys) {
+    const int n = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0));
+    const int n_next = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0 - n));
+    for (int h = 0; h < heads; ++h) {
+      K::template lane_block<DT, L>(ws.qt + h * words * L::kW, d, rows, k + j0 * rs + h * hs, rs, n,
+                                    a.scale * kLog2e, ws.kt, ws.lane_ml + h * 2 * kLanes, ws.sall,
+                                    ws.alpha);
+      K::template lane_pv<DT>(ws.sall, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
+                              o + static_cast<int64_t>(h) * rows * sh.d, k + (j0 + n) * rs + h * hs,
+                              v + (j0 + n) * rs + h * hs, n_next, ws.vb);
+    }
+  }
+  for (int h = 0; h < heads; ++h) {
+    const float* ml = ws.lane_ml + h * 2 * kLanes;
+    for (int r = 0; r < rows; ++r) st[h * rows + r] = SoftmaxState{ml[r], ml[kLanes + r]};
+  }
+}
+
+// lane_range_of on the narrowest lane vector that holds the rows of a KV head.
 template <class K, AttnDType DT>
 void lane_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
                 const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws, float* o,
                 SoftmaxState* st) {
   if constexpr (K::kLaneRows > 0) {
-    const int d = static_cast<int>(sh.d);
-    const int rows = static_cast<int>(sh.rows);
-    const int heads = static_cast<int>(sh.heads);
-    const int64_t rs = a.kv_strides[1], hs = a.kv_strides[2];
-    const int words = K::template lane_words<DT>(d);
-    std::fill(o, o + sh.heads * sh.rows * sh.d, 0.0f);
-    for (int h = 0; h < heads; ++h) {
-      K::lane_query(ws.q + static_cast<int64_t>(h) * rows * d, d, rows, words,
-                    ws.qt + static_cast<int64_t>(h) * words * kLanes);
-      float* ml = ws.lane_ml + h * 2 * kLanes;
-      std::fill(ml, ml + kLanes, -INFINITY);
-      std::fill(ml + kLanes, ml + 2 * kLanes, 0.0f);
-    }
-    for (int64_t j0 = begin; j0 < end; j0 += kStreamKeys) {
-      const int n = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0));
-      const int n_next = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0 - n));
-      for (int h = 0; h < heads; ++h) {
-        K::template lane_block<DT>(ws.qt + static_cast<int64_t>(h) * words * kLanes, d, rows,
-                                   k + j0 * rs + h * hs, rs, n, a.scale * kLog2e, ws.kt,
-                                   ws.lane_ml + h * 2 * kLanes, ws.sall, ws.alpha);
-        K::template lane_pv<DT>(ws.sall, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
-                                o + static_cast<int64_t>(h) * rows * sh.d,
-                                k + (j0 + n) * rs + h * hs, v + (j0 + n) * rs + h * hs, n_next,
-                                ws.vb);
-      }
-    }
-    for (int h = 0; h < heads; ++h) {
-      const float* ml = ws.lane_ml + h * 2 * kLanes;
-      for (int r = 0; r < rows; ++r) st[h * rows + r] = SoftmaxState{ml[r], ml[kLanes + r]};
+    if (sh.rows <= Lanes8::kW) {
+      lane_range_of<K, DT, Lanes8>(a, sh, k, v, begin, end, ws, o, st);
+    } else {
+      lane_range_of<K, DT, Lanes16>(a, sh, k, v, begin, end, ws, o, st);
     }
   }
 }
