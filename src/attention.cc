@@ -5,10 +5,10 @@
 // of kBlock positions: the block's keys are converted to fp32 and transposed (so the score tile
 // is a small register-blocked GEMM), its values converted to fp32, and every query row updates
 // its online-softmax state with the shared math of specdecode/attention.h. With few query rows
-// per KV head the prefix takes one of two cheaper paths on AVX2 / AVX-512: the streaming path
-// (stream_range: per-key dot products, the cache read in address order; up to 8 rows on AVX2, 4
-// on AVX-512), and from 5 to 16 rows on AVX-512 the lane path (lane_range: the rows of a KV head
-// in the lanes of one vector).
+// per KV head the prefix takes one of two cheaper paths on AVX2 / AVX-512: up to 4 rows the
+// streaming path (stream_range: per-key dot products, the cache read in address order), from 5
+// to 16 rows on AVX-512 and 5 to 8 on AVX2 the lane path (lane_range: the rows of a KV head in
+// the lanes of one vector).
 //
 // The prefix [0, prefix_len) is dense and unmasked; the tree [prefix_len, prefix_len + T) uses
 // the bitmask. They accumulate into separate states that are merged with the log-sum-exp rule,
@@ -408,14 +408,124 @@ SD_TARGET_AVX2 void stream_partials8(const float* q, int heads, int rows,
   }
 }
 
+// ---- query rows in lanes (5 to 16 query rows per KV head) ----------------------------------
+// With more than a few query rows per KV head the per-key dot products of the streaming path
+// cost as many loads and stores as FMAs (a query load per FMA, a partial store per row and key,
+// then the lane sums): with the KV in cache they ran at about 45 % of the FMA rate. Here the
+// query rows of a KV head are the lanes of one vector instead (Lanes16 or Lanes8). The head's
+// query is transposed once per work item (qt[i] = element i of every row) and each key element
+// is broadcast from memory into its FMA, so a block's scores come out as one vector per key
+// (lane r = row r) without lane sums, and the online softmax of all the head's rows runs
+// lane-wise: a vector max and an exp per key, with the running maxima and sums of the rows in
+// two vectors. The weights are then transposed back to rows for the P V tiles of the streaming
+// path.
+
+// The keys of group g (g .. g + 7) of a lane block of keys j < n <= 16, rows rs elements apart:
+// a partial group repeats key n - 1, and the scores s[j] of keys j >= n are left for
+// lane_softmax to mask.
+template <class T>
+SD_FORCE_INLINE void lane_group_keys(const T* k, int64_t rs, int n, int g, const T** kp) {
+  for (int j = 0; j < 8; ++j) kp[j] = k + std::min(g + j, n - 1) * rs;
+}
+
+// Lane vectors: the lane path keeps the query rows of a KV head in the lanes of one vector.
+// Lanes8 (ymm) holds up to 8 rows, on AVX2 and on AVX-512; Lanes16 (zmm, AVX-512 below) 9 to 16.
+// On AVX-512 a zmm instruction on 8 rows would leave half its lanes idle, and on Zen 4 it
+// occupies the two 256-bit pipes for as long as two ymm instructions, so 8 rows in 8 lanes run
+// at the rate of 16 rows in 16. The bf16 members (vdpbf16ps, pair words) need AVX512_BF16.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kW = 8;
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V zero() { return _mm256_setzero_ps(); }
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V set1(float x) { return _mm256_set1_ps(x); }
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V load(const float* p) { return _mm256_load_ps(p); }
+  SD_TARGET_AVX2 SD_FORCE_INLINE static void store(float* p, V x) { _mm256_store_ps(p, x); }
+  // The first w <= 8 floats at p (unaligned), zeros above.
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V load_first(const float* p, int w) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(w), lanes));
+  }
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  // b where b > a, else a (an unordered lane keeps a).
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V select_greater(V a, V b) {
+    return _mm256_blendv_ps(a, b, _mm256_cmp_ps(b, a, _CMP_GT_OQ));
+  }
+  // 0 where x is -inf, else x.
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V zero_if_ninf(V x) {
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), x);
+  }
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V exp2(V x) { return exp2_avx2(x); }
+  // r[i] = row i of an 8 x 8 tile on entry, column i on exit.
+  SD_TARGET_AVX2 SD_FORCE_INLINE static void transpose(V* r) { transpose8(r); }
+  // 8 elements at p as fp32 (load8).
+  template <AttnDType DT>
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V widen(const typename Elem<DT>::T* p) {
+    return load8<DT>(p);
+  }
+  // acc + the dot products of the bf16 pair words at qw (one per lane) with the pair word w.
+  SD_TARGET_AVX512BF16 SD_FORCE_INLINE static V dp_pair(V acc, const float* qw, uint32_t w) {
+    const __m256bh qv = (__m256bh)_mm256_load_si256(reinterpret_cast<const __m256i*>(qw));
+    return _mm256_dpbf16_ps(acc, qv, (__m256bh)_mm256_set1_epi32(static_cast<int>(w)));
+  }
+  // pw[r] = (bf16(a[r]), bf16(b[r])) as one 32-bit word per lane r.
+  SD_TARGET_AVX512BF16 SD_FORCE_INLINE static void store_pairs(uint32_t* pw, V a, V b) {
+    const __m256i lo = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(a));
+    const __m256i hi = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(b));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pw),
+                       _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
+  }
+};
+
+// The lane path's loops on AVX2, for Lanes8 (src/attention_lanes.inc).
+namespace lanes_avx2 {
+#define SD_LANE_TARGET SD_TARGET_AVX2
+#include "attention_lanes.inc"
+#undef SD_LANE_TARGET
+}  // namespace lanes_avx2
+
 struct Avx2Kernels {
   static constexpr bool kStream = true;
-  // Up to 8 rows (T <= 2 at GQA 4) the streaming path is faster than the AVX2 tiles: from DRAM,
+  // Up to 4 rows (T = 1 at GQA 4) the streaming path is faster than the AVX2 tiles: from DRAM,
   // alternating processes, T = 1 took 35-60 % less time (fp32 and bf16, B = 1 and 8, S = 4096
-  // and 16384) and T = 2 fp32 30 % less; at 16 rows (T = 4) it was no faster, slower for bf16 at
-  // B = 8 (each row reloads and converts the key: 16 vectors are all of AVX2's registers).
-  static constexpr int kStreamRows = 8;
-  static constexpr int kLaneRows = 0;  // no lane path: more rows take the tiles
+  // and 16384). At 4 rows it is also 5-8 % faster than the lane path (one thread, in cache).
+  static constexpr int kStreamRows = 4;
+  // From 5 to 8 rows the lane path on Lanes8. At 8 rows (T = 2 at GQA 4, T = 1 at GQA 8) it took
+  // 23-28 % less time than the streaming path with the KV in cache (one thread; fp32, fp16 and
+  // bf16) and 12-28 % less from DRAM (two threads, B = 8 S = 4096 and B = 1 S = 16384). More
+  // rows take the tiles: at 16 rows the streaming path had been no faster than them (each row
+  // reloads and converts the key: 16 vectors are all of AVX2's registers).
+  static constexpr int kLaneRows = 8;
+  // The lane path (lane_range), as in Avx512Kernels, on AVX2.
+  template <AttnDType DT>
+  static constexpr int lane_words(int d) {
+    return d;
+  }
+  template <class L>
+  SD_TARGET_AVX2 static void lane_query(const float* q, int64_t stride, int rows, int words,
+                                        float* qt) {
+    lanes_avx2::lanes_transpose<L>(q, stride, rows, words, qt);
+  }
+  template <AttnDType DT, class L>
+  SD_TARGET_AVX2 static void lane_block(const float* qt, int d, int rows,
+                                        const typename Elem<DT>::T* k, int64_t rs, int n, float,
+                                        float* kbuf, float* ml, float* p, float* alpha) {
+    typename L::V s[kStreamKeys];
+    with_head_dim(d, [&](auto dim) {
+      lanes_avx2::lane_block_scores<decltype(dim)::value, DT, L>(qt, k, rs, n, kbuf, s);
+    });
+    lanes_avx2::lane_weights<L>(s, n, rows, ml, p, alpha);
+  }
+  template <AttnDType DT>
+  SD_TARGET_AVX2 static void lane_pv(const float* p, int rows, int n, const typename Elem<DT>::T* v,
+                                     int64_t rs, int d, const float* alpha, float* o,
+                                     const typename Elem<DT>::T* next_k,
+                                     const typename Elem<DT>::T* next_v, int n_next, float*) {
+    pv_stream<DT>(p, rows, n, v, rs, d, alpha, o, next_k, next_v, n_next);
+  }
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * kStreamKeys * 8 floats of scratch.
@@ -591,13 +701,20 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void transpose16(__m512* r) {
   }
 }
 
-// ---- lane vectors --------------------------------------------------------------------------
-// The lane path (lane_range) keeps the query rows of a KV head in the lanes of one vector:
-// Lanes16 (zmm) for 9 to 16 rows, Lanes8 (ymm, with AVX-512VL's masks, embedded broadcasts and
-// vscalefps) for up to 8. A zmm instruction on 8 rows would leave half its lanes idle, and on
-// Zen 4 it occupies the two 256-bit pipes for as long as two ymm instructions, so 8 rows in 8
-// lanes run at the rate of 16 rows in 16. The bf16 members (vdpbf16ps, pair words) need
-// AVX512_BF16.
+// 2^x for x <= 0 (scores minus the running max): x = n + f with |f| <= 1/2, 2^f by a degree-7
+// Taylor polynomial (relative error < 1e-8, below fp32 rounding), scaled by 2^n with vscalefps.
+// Inputs below -200 clamp there, which scales to exactly 0, so masked (-inf) scores give 0; the
+// clamp keeps NaN (vmaxps returns its second operand when either is NaN).
+SD_TARGET_AVX512 SD_FORCE_INLINE __m512 exp2_avx512(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-200.0f), x);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lanes16 (zmm): 9 to 16 query rows of a KV head on the lane path, on AVX-512 (see Lanes8).
 struct Lanes16 {
   using V = __m512;
   static constexpr int kW = 16;
@@ -616,10 +733,6 @@ struct Lanes16 {
   SD_TARGET_AVX512 SD_FORCE_INLINE static V fmadd(V a, V b, V c) {
     return _mm512_fmadd_ps(a, b, c);
   }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V round(V x) {
-    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V scalef(V x, V n) { return _mm512_scalef_ps(x, n); }
   // b where b > a, else a (NaN-free compare: an unordered lane keeps a).
   SD_TARGET_AVX512 SD_FORCE_INLINE static V select_greater(V a, V b) {
     return _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(b, a, _CMP_GT_OQ), b);
@@ -629,8 +742,14 @@ struct Lanes16 {
     return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
                               _mm512_setzero_ps());
   }
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V exp2(V x) { return exp2_avx512(x); }
   // r[i] = row i of a 16 x 16 tile on entry, column i on exit.
   SD_TARGET_AVX512 SD_FORCE_INLINE static void transpose(V* r) { transpose16(r); }
+  // 16 elements at p as fp32 (load16).
+  template <AttnDType DT>
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V widen(const typename Elem<DT>::T* p) {
+    return load16<DT>(p);
+  }
   // acc + the dot products of the bf16 pair words at qw (one per lane) with the pair word w.
   SD_TARGET_AVX512BF16 SD_FORCE_INLINE static V dp_pair(V acc, const float* qw, uint32_t w) {
     const __m512bh qv = (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(qw));
@@ -643,62 +762,6 @@ struct Lanes16 {
     _mm512_store_si512(pw, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
   }
 };
-
-struct Lanes8 {
-  using V = __m256;
-  static constexpr int kW = 8;
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V zero() { return _mm256_setzero_ps(); }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V set1(float x) { return _mm256_set1_ps(x); }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V load(const float* p) { return _mm256_load_ps(p); }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static void store(float* p, V x) { _mm256_store_ps(p, x); }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V load_first(const float* p, int w) {
-    return _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << w) - 1u), p);
-  }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V max(V a, V b) { return _mm256_max_ps(a, b); }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V fmadd(V a, V b, V c) {
-    return _mm256_fmadd_ps(a, b, c);
-  }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V round(V x) {
-    return _mm256_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V scalef(V x, V n) { return _mm256_scalef_ps(x, n); }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V select_greater(V a, V b) {
-    return _mm256_mask_mov_ps(a, _mm256_cmp_ps_mask(b, a, _CMP_GT_OQ), b);
-  }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static V zero_if_ninf(V x) {
-    return _mm256_mask_mov_ps(x, _mm256_cmp_ps_mask(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                              _mm256_setzero_ps());
-  }
-  SD_TARGET_AVX512 SD_FORCE_INLINE static void transpose(V* r) { transpose8(r); }
-  SD_TARGET_AVX512BF16 SD_FORCE_INLINE static V dp_pair(V acc, const float* qw, uint32_t w) {
-    const __m256bh qv = (__m256bh)_mm256_load_si256(reinterpret_cast<const __m256i*>(qw));
-    return _mm256_dpbf16_ps(acc, qv, (__m256bh)_mm256_set1_epi32(static_cast<int>(w)));
-  }
-  SD_TARGET_AVX512BF16 SD_FORCE_INLINE static void store_pairs(uint32_t* pw, V a, V b) {
-    const __m256i lo = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(a));
-    const __m256i hi = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(b));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pw),
-                       _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
-  }
-};
-
-// 2^x for x <= 0 (scores minus the running max): x = n + f with |f| <= 1/2, 2^f by a degree-7
-// Taylor polynomial (relative error < 1e-8, below fp32 rounding), scaled by 2^n with vscalefps.
-// Inputs below -200 clamp there, which scales to exactly 0, so masked (-inf) scores give 0; the
-// clamp keeps NaN (vmaxps returns its second operand when either is NaN).
-template <class L>
-SD_TARGET_AVX512 SD_FORCE_INLINE typename L::V exp2_lanes(typename L::V x) {
-  x = L::max(L::set1(-200.0f), x);
-  const typename L::V n = L::round(x);
-  const typename L::V f = L::sub(x, n);
-  typename L::V p = L::set1(kExp2Poly[0]);
-  for (int i = 1; i < 8; ++i) p = L::fmadd(p, f, L::set1(kExp2Poly[i]));
-  return L::scalef(p, n);
-}
-SD_TARGET_AVX512 SD_FORCE_INLINE __m512 exp2_avx512(__m512 x) { return exp2_lanes<Lanes16>(x); }
 
 // s[r][16 c .. 16 c + 16) for c < CV of RB rows: the key vectors kt[i][16 c ..].
 template <int RB, int CV>
@@ -915,132 +978,12 @@ SD_TARGET_AVX512 void stream_partials_rows_f32(const float* q, int heads, int ro
   }
 }
 
-// ---- query rows in lanes (5 to 16 query rows per KV head) ----------------------------------
-// With more than a few query rows per KV head the per-key dot products of the streaming path
-// cost as many loads and stores as FMAs (a query load per FMA, a partial store per row and key,
-// then the lane sums): with the KV in cache they ran at about 45 % of the FMA rate. Here the
-// query rows of a KV head are the lanes of one vector instead (Lanes16 or Lanes8). The head's
-// query is transposed once per work item (qt[i] = element i of every row) and each key element
-// is broadcast from memory into its FMA, so a block's scores come out as one vector per key
-// (lane r = row r) without lane sums, and the online softmax of all the head's rows runs
-// lane-wise: a vector max and an exp per key, with the running maxima and sums of the rows in
-// two vectors. The weights are then transposed back to rows for the P V tiles of the streaming
-// path.
-
-// qt[i * L::kW + r] = 32-bit word i of row r, for rows r < rows of `words` words (stride floats
-// apart) and i < words; lanes r >= rows are zero.
-template <class L>
-SD_TARGET_AVX512 SD_FORCE_INLINE void lanes_transpose(const float* q, int64_t stride, int rows,
-                                                      int words, float* qt) {
-  constexpr int W = L::kW;
-  for (int c = 0; c < words; c += W) {
-    const int w = std::min(W, words - c);
-    typename L::V r[W];
-    for (int i = 0; i < W; ++i) r[i] = i < rows ? L::load_first(q + i * stride + c, w) : L::zero();
-    L::transpose(r);
-    for (int i = 0; i < w; ++i) L::store(qt + (c + i) * W, r[i]);
-  }
-}
-
-// s[j] = sum_i qt[i] * kp[j][i] for 8 keys: every key element is broadcast into its FMA.
-template <int D, class L>
-SD_TARGET_AVX512 SD_FORCE_INLINE void lane_dots_f32(const float* qt, const float* const* kp,
-                                                    typename L::V* s) {
-  typename L::V acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = L::zero();
-  for (int i = 0; i < D; ++i) {
-    const typename L::V qv = L::load(qt + L::kW * i);
-    for (int j = 0; j < 8; ++j) acc[j] = L::fmadd(qv, L::set1(kp[j][i]), acc[j]);
-  }
-  for (int j = 0; j < 8; ++j) s[j] = acc[j];
-}
-
-// The keys of group g (g .. g + 7) of a lane block of keys j < n <= 16, rows rs elements apart:
-// a partial group repeats key n - 1, and the scores s[j] of keys j >= n are left for
-// lane_softmax to mask.
-template <class T>
-SD_FORCE_INLINE void lane_group_keys(const T* k, int64_t rs, int n, int g, const T** kp) {
-  for (int j = 0; j < 8; ++j) kp[j] = k + std::min(g + j, n - 1) * rs;
-}
-
-// Scores s[j] of keys j < n <= 16 (rows rs floats apart) in groups of 8 (lane_group_keys).
-template <int D, class L>
-SD_TARGET_AVX512 SD_FORCE_INLINE void lane_scores_f32(const float* qt, const float* k, int64_t rs,
-                                                      int n, typename L::V* s) {
-  for (int g = 0; g < n; g += 8) {
-    const float* kp[8];
-    lane_group_keys(k, rs, n, g, kp);
-    lane_dots_f32<D, L>(qt, kp, s + g);
-  }
-}
-
-// The online-softmax update of specdecode/attention.h (softmax_rescale, then the block's terms
-// 2^(s - softmax_reference(m))), lane-wise for the scores s[j] of keys j < n: s[j] becomes the
-// weight of key j (0 for j >= n); m and l hold the running max and sum of every lane. Returns
-// the factors that rescale the rows' accumulators.
-template <class L>
-SD_TARGET_AVX512 SD_FORCE_INLINE typename L::V lane_softmax(typename L::V* s, int n,
-                                                            typename L::V* m, typename L::V* l) {
-  using V = typename L::V;
-  for (int j = n; j < kStreamKeys; ++j) s[j] = L::set1(-INFINITY);
-  V x[8];
-  for (int j = 0; j < 8; ++j) x[j] = L::max(s[j], s[j + 8]);
-  for (int j = 0; j < 4; ++j) x[j] = L::max(x[j], x[j + 4]);
-  const V block_max = L::max(L::max(x[0], x[2]), L::max(x[1], x[3]));
-  // As softmax_rescale: the max rises only where the block's max is greater.
-  const V new_max = L::select_greater(*m, block_max);
-  const V ref = L::zero_if_ninf(new_max);
-  const V alpha = exp2_lanes<L>(L::sub(*m, ref));
-  V sum = L::zero();
-  for (int j = 0; j < kStreamKeys; ++j) {
-    s[j] = exp2_lanes<L>(L::sub(s[j], ref));
-    sum = L::add(sum, s[j]);
-  }
-  *m = new_max;
-  *l = L::add(L::mul(*l, alpha), sum);
-  return alpha;
-}
-
-// lane_softmax on the lane state ml (the maxima in ml[0 .. kW), the sums in ml[kLanes ..)), kept
-// in memory between blocks; the rows' rescale factors go to alpha[0 .. kW).
-template <class L>
-SD_TARGET_AVX512 SD_FORCE_INLINE void lane_update(typename L::V* s, int n, float* ml,
-                                                  float* alpha) {
-  typename L::V m = L::load(ml), l = L::load(ml + kLanes);
-  L::store(alpha, lane_softmax<L>(s, n, &m, &l));
-  L::store(ml, m);
-  L::store(ml + kLanes, l);
-}
-
-// Finishes a lane block: lane_update, then the weights transposed to rows, p[r * kBlock + j] for
-// r < rows and the block's 16 keys j.
-template <class L>
-SD_TARGET_AVX512 SD_FORCE_INLINE void lane_weights(typename L::V* s, int n, int rows, float* ml,
-                                                   float* p, float* alpha) {
-  constexpr int W = L::kW;
-  lane_update<L>(s, n, ml, alpha);
-  // Keys [j0, j0 + W) as a W x W tile: after its transpose s[j0 + r] holds row r's weights.
-  for (int j0 = 0; j0 < kStreamKeys; j0 += W) {
-    L::transpose(s + j0);
-    for (int r = 0; r < rows; ++r) L::store(p + r * kBlock + j0, s[j0 + r]);
-  }
-}
-
-// lane_scores_f32 for keys of type DT: fp16 / bf16 keys are converted into kbuf first (n rows
-// of D floats), which also keeps the 8 keys of a group off the few L1 sets that rows Hkv * D
-// apart map to.
-template <int D, AttnDType DT, class L>
-SD_TARGET_AVX512 void lane_block_scores(const float* qt, const typename Elem<DT>::T* k, int64_t rs,
-                                        int n, float* kbuf, typename L::V* s) {
-  if constexpr (DT == AttnDType::kFloat32) {
-    lane_scores_f32<D, L>(qt, k, rs, n, s);
-  } else {
-    for (int j = 0; j < n; ++j) {
-      for (int c = 0; c < D; c += 16) _mm512_store_ps(kbuf + j * D + c, load16<DT>(k + j * rs + c));
-    }
-    lane_scores_f32<D, L>(qt, kbuf, D, n, s);
-  }
-}
+// The lane path's loops on AVX-512, for Lanes16 and Lanes8 (src/attention_lanes.inc).
+namespace lanes_avx512 {
+#define SD_LANE_TARGET SD_TARGET_AVX512
+#include "attention_lanes.inc"
+#undef SD_LANE_TARGET
+}  // namespace lanes_avx512
 
 struct Avx512Kernels {
   static constexpr bool kStream = true;
@@ -1065,7 +1008,7 @@ struct Avx512Kernels {
   template <class L>
   SD_TARGET_AVX512 static void lane_query(const float* q, int64_t stride, int rows, int words,
                                           float* qt) {
-    lanes_transpose<L>(q, stride, rows, words, qt);
+    lanes_avx512::lanes_transpose<L>(q, stride, rows, words, qt);
   }
   // Keys [0, n) <= 16 of one KV head (rows rs apart) against the head's lane query qt: the
   // softmax update of the lane state ml and the weights p / rescale factors alpha of the rows
@@ -1077,9 +1020,9 @@ struct Avx512Kernels {
                                           float* kbuf, float* ml, float* p, float* alpha) {
     typename L::V s[kStreamKeys];
     with_head_dim(d, [&](auto dim) {
-      lane_block_scores<decltype(dim)::value, DT, L>(qt, k, rs, n, kbuf, s);
+      lanes_avx512::lane_block_scores<decltype(dim)::value, DT, L>(qt, k, rs, n, kbuf, s);
     });
-    lane_weights<L>(s, n, rows, ml, p, alpha);
+    lanes_avx512::lane_weights<L>(s, n, rows, ml, p, alpha);
   }
   // P V of a lane block: the weights p of lane_block against the values of keys [0, n) of the
   // KV head (rows rs apart), with the hints of the head's next block as in pv_stream. vbuf:
@@ -1390,7 +1333,7 @@ SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, i
 template <class L>
 SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_weight_pairs(typename L::V* s, int n, float* ml,
                                                             uint32_t* pw, float* alpha) {
-  lane_update<L>(s, n, ml, alpha);
+  lanes_avx512::lane_update<L>(s, n, ml, alpha);
   for (int m = 0; m < kStreamKeys / 2; ++m) L::store_pairs(pw + kLanes * m, s[2 * m], s[2 * m + 1]);
 }
 
@@ -1853,7 +1796,7 @@ void lane_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>
   if constexpr (K::kLaneRows > 0) {
     if (sh.rows <= Lanes8::kW) {
       lane_range_of<K, DT, Lanes8>(a, sh, k, v, begin, end, ws, o, st);
-    } else {
+    } else if constexpr (K::kLaneRows > Lanes8::kW) {
       lane_range_of<K, DT, Lanes16>(a, sh, k, v, begin, end, ws, o, st);
     }
   }

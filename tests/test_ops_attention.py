@@ -174,9 +174,9 @@ def test_decode_split_edges(isa_name, t, hq, hkv, d, dtype):
         _C.set_attention_isa("")
 
 
-# 5 to 16 query rows per KV head take the lane path on AVX-512: the rows of a KV head are the
-# lanes of one vector, 8 lanes up to 8 rows and 16 above. Keys are scored 8 at a time, so block
-# tails of 1..8 and 9..15 keys differ.
+# 5 to 16 query rows per KV head take the lane path on AVX-512, 5 to 8 on AVX2: the rows of a KV
+# head are the lanes of one vector, 8 lanes up to 8 rows and 16 above. Keys are scored 8 at a
+# time, so block tails of 1..8 and 9..15 keys differ.
 LANE_PREFIXES = [0, 1, 7, 8, 9, 15, 16, 24, 255, 257, 1001]
 
 
