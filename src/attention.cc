@@ -487,7 +487,7 @@ namespace lanes_avx2 {
 #undef SD_LANE_TARGET
 }  // namespace lanes_avx2
 
-struct Avx2Kernels {
+struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
   static constexpr bool kStream = true;
   // Up to 4 rows (T = 1 at GQA 4) the streaming path is faster than the AVX2 tiles: from DRAM,
   // alternating processes, T = 1 took 35-60 % less time (fp32 and bf16, B = 1 and 8, S = 4096
@@ -499,33 +499,6 @@ struct Avx2Kernels {
   // rows take the tiles: at 16 rows the streaming path had been no faster than them (each row
   // reloads and converts the key: 16 vectors are all of AVX2's registers).
   static constexpr int kLaneRows = 8;
-  // The lane path (lane_range), as in Avx512Kernels, on AVX2.
-  template <AttnDType DT>
-  static constexpr int lane_words(int d) {
-    return d;
-  }
-  template <class L>
-  SD_TARGET_AVX2 static void lane_query(const float* q, int64_t stride, int rows, int words,
-                                        float* qt) {
-    lanes_avx2::lanes_transpose<L>(q, stride, rows, words, qt);
-  }
-  template <AttnDType DT, class L>
-  SD_TARGET_AVX2 static void lane_block(const float* qt, int d, int rows,
-                                        const typename Elem<DT>::T* k, int64_t rs, int n, float,
-                                        float* kbuf, float* ml, float* p, float* alpha) {
-    typename L::V s[kStreamKeys];
-    with_head_dim(d, [&](auto dim) {
-      lanes_avx2::lane_block_scores<decltype(dim)::value, DT, L>(qt, k, rs, n, kbuf, s);
-    });
-    lanes_avx2::lane_weights<L>(s, n, rows, ml, p, alpha);
-  }
-  template <AttnDType DT>
-  SD_TARGET_AVX2 static void lane_pv(const float* p, int rows, int n, const typename Elem<DT>::T* v,
-                                     int64_t rs, int d, const float* alpha, float* o,
-                                     const typename Elem<DT>::T* next_k,
-                                     const typename Elem<DT>::T* next_v, int n_next, float*) {
-    pv_stream<DT>(p, rows, n, v, rs, d, alpha, o, next_k, next_v, n_next);
-  }
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * kStreamKeys * 8 floats of scratch.
@@ -985,7 +958,7 @@ namespace lanes_avx512 {
 #undef SD_LANE_TARGET
 }  // namespace lanes_avx512
 
-struct Avx512Kernels {
+struct Avx512Kernels : lanes_avx512::LaneKernels<Avx512Kernels> {
   static constexpr bool kStream = true;
   // Up to 4 rows (T = 1 at GQA 4) the prefix takes the streaming path (stream_range), which is
   // bound by the read of the cache there; at 4 rows the lane path was 10-55 % slower.
@@ -999,42 +972,6 @@ struct Avx512Kernels {
   // the streaming path took up to 16 rows: it had been 5-25 % faster than the tiles, which
   // transpose every key block and read each KV head's keys a 4 KiB page apart.
   static constexpr int kLaneRows = 16;
-  // 32-bit words per query row in the lane layout: the fp32 elements.
-  template <AttnDType DT>
-  static constexpr int lane_words(int d) {
-    return d;
-  }
-  // One KV head's query rows (stride floats apart, `words` words each) in the lane layout of L.
-  template <class L>
-  SD_TARGET_AVX512 static void lane_query(const float* q, int64_t stride, int rows, int words,
-                                          float* qt) {
-    lanes_avx512::lanes_transpose<L>(q, stride, rows, words, qt);
-  }
-  // Keys [0, n) <= 16 of one KV head (rows rs apart) against the head's lane query qt: the
-  // softmax update of the lane state ml and the weights p / rescale factors alpha of the rows
-  // (lane_weights). fp16 / bf16 keys are first converted into kbuf (16 x d floats). The query
-  // rows are pre-scaled.
-  template <AttnDType DT, class L>
-  SD_TARGET_AVX512 static void lane_block(const float* qt, int d, int rows,
-                                          const typename Elem<DT>::T* k, int64_t rs, int n, float,
-                                          float* kbuf, float* ml, float* p, float* alpha) {
-    typename L::V s[kStreamKeys];
-    with_head_dim(d, [&](auto dim) {
-      lanes_avx512::lane_block_scores<decltype(dim)::value, DT, L>(qt, k, rs, n, kbuf, s);
-    });
-    lanes_avx512::lane_weights<L>(s, n, rows, ml, p, alpha);
-  }
-  // P V of a lane block: the weights p of lane_block against the values of keys [0, n) of the
-  // KV head (rows rs apart), with the hints of the head's next block as in pv_stream. vbuf:
-  // kStreamKeys x d floats of scratch (unused here).
-  template <AttnDType DT>
-  SD_TARGET_AVX512 static void lane_pv(const float* p, int rows, int n,
-                                       const typename Elem<DT>::T* v, int64_t rs, int d,
-                                       const float* alpha, float* o,
-                                       const typename Elem<DT>::T* next_k,
-                                       const typename Elem<DT>::T* next_v, int n_next, float*) {
-    pv_stream<DT>(p, rows, n, v, rs, d, alpha, o, next_k, next_v, n_next);
-  }
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * 256 floats of scratch.
