@@ -48,7 +48,8 @@ constexpr int kRowTile = 8;           // query rows per register tile
 // The streaming prefix path (AVX-512 and AVX2, at most K::kStreamRows query rows per KV head):
 // keys per block. Scores of a block are 16 floats per query row.
 constexpr int kStreamKeys = 16;
-// The lane path (AVX-512, see lanes_transpose): query rows per vector.
+// The lane path (see lanes_transpose): query rows per vector at the most (Lanes16). The lane
+// softmax state and the bf16 weight pairs keep this stride at every lane width.
 constexpr int kLanes = 16;
 
 // ---- element access ------------------------------------------------------------------------
