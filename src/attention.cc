@@ -696,7 +696,7 @@ struct Lanes16 {
   SD_TARGET_AVX512 SD_FORCE_INLINE static V set1(float x) { return _mm512_set1_ps(x); }
   SD_TARGET_AVX512 SD_FORCE_INLINE static V load(const float* p) { return _mm512_load_ps(p); }
   SD_TARGET_AVX512 SD_FORCE_INLINE static void store(float* p, V x) { _mm512_store_ps(p, x); }
-  // The first w < 16 floats at p (unaligned), zeros above.
+  // The first w <= 16 floats at p (unaligned), zeros above.
   SD_TARGET_AVX512 SD_FORCE_INLINE static V load_first(const float* p, int w) {
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << w) - 1u), p);
   }
@@ -707,7 +707,7 @@ struct Lanes16 {
   SD_TARGET_AVX512 SD_FORCE_INLINE static V fmadd(V a, V b, V c) {
     return _mm512_fmadd_ps(a, b, c);
   }
-  // b where b > a, else a (NaN-free compare: an unordered lane keeps a).
+  // b where b > a, else a (an unordered lane keeps a).
   SD_TARGET_AVX512 SD_FORCE_INLINE static V select_greater(V a, V b) {
     return _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(b, a, _CMP_GT_OQ), b);
   }
@@ -969,9 +969,10 @@ struct Avx512Kernels : lanes_avx512::LaneKernels<Avx512Kernels> {
   // inputs in alternating processes (Hq = 32, Hkv = 8, D = 128, S = 4096): T = 3 and 4 took
   // 18-26 % less time for fp32 and 19-26 % for bf16, B = 1 and 8. At 8 rows (T = 2), one thread
   // with the KV in cache, 8 lanes took 17 % less time than the streaming path for fp32 and 12 %
-  // less than 16 lanes for bf16; from DRAM, two threads, 6-18 % less (bench/RESULTS.md). Before,
-  // the streaming path took up to 16 rows: it had been 5-25 % faster than the tiles, which
-  // transpose every key block and read each KV head's keys a 4 KiB page apart.
+  // less than 16 lanes for bf16; from DRAM, two threads, fp32 10-18 % less and bf16 from 6 % more
+  // to 13 % less (bench/RESULTS.md). Before, the streaming path took up to 16 rows: it had been
+  // 5-25 % faster than the tiles, which transpose every key block and read each KV head's keys
+  // a 4 KiB page apart.
   static constexpr int kLaneRows = 16;
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:

@@ -189,7 +189,8 @@ LANE_PREFIXES = [0, 1, 7, 8, 9, 15, 16, 24, 255, 257, 1001]
     + [(9, 1, 1), (10, 2, 2), (13, 1, 1), (5, 1, 3), (8, 2, 4)],
 )
 def test_lane_path_row_counts(isa_name, hq, hkv, t, d, dtype):
-    # Rows per KV head: 5, 6, 7 and 8 (8 lanes), 9, 10, 13, 15 and 16 (16 lanes).
+    # Rows per KV head: 5, 6, 7 and 8 (8 lanes), 9, 10, 13, 15 and 16 (16 lanes on AVX-512, the
+    # tiles on AVX2).
     assert _C.set_attention_isa(isa_name)
     q, k, v, lens, gen = make_case(
         len(LANE_PREFIXES), t, hq, hkv, d, LANE_PREFIXES, dtype, strided=True, seed=hq * 7 + d
@@ -225,8 +226,8 @@ def test_decode_results_do_not_depend_on_thread_count(t, dtype):
 def test_a_row_does_not_depend_on_the_rest_of_the_batch(isa, t, dtype):
     # Batch invariance: every row's prefix is split at fixed offsets from its own end, so the
     # other rows (their number, their prefix lengths, hence the number of splits) change nothing:
-    # the streaming (T = 1), lane (T = 2 on 8 lanes, T = 4 on 16) and tile (T = 8) paths alike,
-    # bit for bit.
+    # the streaming (T = 1), lane (T = 2 on 8 lanes; T = 4 on 16 on AVX-512) and tile (T = 8)
+    # paths alike, bit for bit.
     prefixes = [3000, 5, 600, 0, 1301]
     q, k, v, lens, gen = make_case(len(prefixes), t, 32, 8, 128, prefixes, dtype, seed=t)
     mask = ops.tree_info(random_parents(len(prefixes), t, gen)).mask if t > 1 else None
