@@ -1,5 +1,11 @@
 #include <pybind11/stl.h>
 
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
 #include "array.h"
 #include "registry.h"
 #include "specdecode/parallel.h"
@@ -16,6 +22,66 @@ namespace sd {
 namespace py = pybind11;
 
 namespace {
+
+const char* threading_name(Threading mode) {
+  switch (mode) {
+    case Threading::kPool:
+      return "pool";
+    case Threading::kOpenMp:
+      return "openmp";
+    default:
+      return "auto";
+  }
+}
+
+py::dict threading_info() {
+  const ThreadingBackend backend = threading_backend();
+  py::dict d;
+  d["mode"] = threading_name(threading());
+  d["backend"] = backend.name;
+  d["runtime"] = backend.runtime;
+  return d;
+}
+
+void set_threading_mode(const std::string& mode) {
+  for (Threading m : {Threading::kAuto, Threading::kPool, Threading::kOpenMp}) {
+    if (mode == threading_name(m)) {
+      set_threading(m);
+      return;
+    }
+  }
+  throw py::value_error("threading: expected 'auto', 'pool' or 'openmp', got '" + mode + "'");
+}
+
+// Runs `chunks` one-element chunks through parallel_for; each chunk waits (at most 2 s) until
+// `expect` distinct threads have entered one, so the count shows whether the threads really ran
+// side by side. Chunk `fail_chunk` throws. Returns the distinct threads seen.
+int parallel_probe(int64_t chunks, int expect, int64_t fail_chunk) {
+  std::mutex mu;
+  std::set<std::thread::id> seen;
+  {
+    py::gil_scoped_release release;
+    parallel_for(chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          seen.insert(std::this_thread::get_id());
+        }
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+        for (;;) {
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            if (static_cast<int>(seen.size()) >= expect) break;
+          }
+          if (std::chrono::steady_clock::now() > deadline) break;
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+        if (c == fail_chunk) throw std::runtime_error("parallel probe: chunk " + std::to_string(c));
+      }
+    });
+  }
+  return static_cast<int>(seen.size());
+}
 
 py::dict build_info() {
   py::dict info;
@@ -50,6 +116,7 @@ py::dict build_info() {
   info["backends"] = backends;
   info["cuda"] = cuda;
   info["num_threads"] = num_threads();
+  info["threading"] = threading_info();
 #if defined(__clang__)
   info["compiler"] = std::string("clang ") + __clang_version__;
 #elif defined(__GNUC__)
@@ -86,6 +153,14 @@ void register_info(py::module_& m) {
         set_num_threads(n);
       },
       py::arg("n"), "Sets the threads the CPU kernels use (0 restores the default).");
+  m.def("threading", &threading_info,
+        "The threading mode ('auto', 'pool', 'openmp'), the backend the next parallel op runs on "
+        "('openmp' or 'pool') and the OpenMP runtime's path.");
+  m.def("set_threading", &set_threading_mode, py::arg("mode"),
+        "Sets the threading mode: 'auto', 'pool' or 'openmp'.");
+  m.def("_parallel_probe", &parallel_probe, py::arg("chunks"), py::arg("expect"),
+        py::arg("fail_chunk") = -1,
+        "Internal: distinct threads that ran `chunks` chunks of a parallel_for side by side.");
   m.def("describe_array", &describe_array, py::arg("array"), py::arg("writable") = false,
         "Internal: dtype, device, shape, strides (elements) and data pointer as consumed via "
         "DLPack.");

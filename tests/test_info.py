@@ -1,14 +1,22 @@
-"""specdecode.info(), the thread setting and the `specdecode info` command."""
+"""specdecode.info(), the thread settings and the `specdecode info` command."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import specdecode
+from specdecode import _C
+
+TORCH_ON_OPENMP = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+needs_torch_openmp = pytest.mark.skipif(
+    not TORCH_ON_OPENMP, reason="this torch build does not run its intra-op threads on OpenMP"
+)
 
 
 def test_info_fields():
@@ -36,6 +44,124 @@ def test_set_num_threads_round_trip():
         specdecode.set_num_threads(-1)
     with pytest.raises(TypeError):
         specdecode.set_num_threads(2.0)
+
+
+@pytest.fixture
+def restore_threads():
+    before = specdecode.get_threading()["mode"]
+    torch_before = torch.get_num_threads()
+    yield
+    specdecode.set_threading(before)
+    specdecode.set_num_threads(0)
+    torch.set_num_threads(torch_before)
+
+
+@needs_torch_openmp
+def test_auto_runs_on_torchs_openmp_team(restore_threads):
+    specdecode.set_threading("auto")
+    threading = specdecode.get_threading()
+    assert threading["backend"] == "openmp"
+    runtime = threading["runtime"]
+    assert os.path.basename(runtime).startswith(("libgomp", "libiomp5", "libomp"))
+    # The runtime borrowed is one torch already loaded, not a copy of our own.
+    with open("/proc/self/maps") as maps:
+        assert runtime in maps.read()
+    assert specdecode.info()["threading"] == threading
+
+
+@pytest.mark.parametrize("mode", ["pool", pytest.param("openmp", marks=needs_torch_openmp)])
+def test_chunks_run_side_by_side_and_errors_reach_the_caller(mode, restore_threads):
+    specdecode.set_threading(mode)
+    assert specdecode.get_threading()["backend"] == mode
+    specdecode.set_num_threads(2)
+    # Each chunk waits (up to 2 s) for a second thread: 2 distinct threads means both ran.
+    assert _C._parallel_probe(8, 2) == 2
+    specdecode.set_num_threads(1)
+    assert _C._parallel_probe(8, 2) == 1
+    specdecode.set_num_threads(2)
+    with pytest.raises(RuntimeError, match="chunk 5"):
+        _C._parallel_probe(8, 2, 5)
+    assert _C._parallel_probe(4, 2) == 2  # the pool or team is usable after the error
+
+
+@needs_torch_openmp
+def test_thread_count_follows_torch_on_the_openmp_team(restore_threads):
+    specdecode.set_threading("openmp")
+    specdecode.set_num_threads(0)
+    torch.set_num_threads(1)
+    assert specdecode.get_num_threads() == 1
+    assert _C._parallel_probe(4, 2) == 1
+    torch.set_num_threads(2)
+    assert specdecode.get_num_threads() == 2
+    specdecode.set_num_threads(3)  # an explicit count wins over torch's
+    torch.set_num_threads(1)
+    assert specdecode.get_num_threads() == 3
+
+
+def test_set_threading_rejects_unknown_modes(restore_threads):
+    with pytest.raises(ValueError, match="mode"):
+        specdecode.set_threading("threads")
+    specdecode.set_threading("pool")
+    assert specdecode.get_threading() == {"mode": "pool", "backend": "pool", "runtime": ""}
+    assert "own pool" in specdecode._info.format_info()
+
+
+# Loads _C without torch (and so without an OpenMP runtime), then loads torch's runtime by hand.
+_NO_TORCH_SCRIPT = """
+import ctypes, importlib.util, sys
+spec = importlib.util.spec_from_file_location("_C", sys.argv[1])
+C = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(C)
+assert "torch" not in sys.modules
+assert C.threading() == {"mode": "auto", "backend": "pool", "runtime": ""}, C.threading()
+try:
+    C.set_threading("openmp")
+    raise SystemExit("set_threading('openmp') passed with no OpenMP runtime loaded")
+except RuntimeError as e:
+    assert "no OpenMP runtime" in str(e)
+C.set_num_threads(2)
+assert C._parallel_probe(6, 2) == 2
+ctypes.CDLL(sys.argv[2])
+assert C.threading()["backend"] == "openmp", C.threading()
+assert C.threading()["runtime"] == sys.argv[2]
+assert C._parallel_probe(6, 2) == 2
+print("ok")
+"""
+
+
+@needs_torch_openmp
+def test_pool_until_an_openmp_runtime_is_loaded():
+    runtime = specdecode.get_threading()["runtime"] or pytest.skip("threading set to pool here")
+    env = {k: v for k, v in os.environ.items() if k != "SPECDECODE_THREADING"}
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH_SCRIPT, _C.__file__, runtime],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_threading_environment_variable():
+    script = "import specdecode; print(specdecode.get_threading()['mode'])"
+    for value, mode in (("pool", "pool"), ("auto", "auto")):
+        env = dict(os.environ, SPECDECODE_THREADING=value)
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == mode
+    env = dict(os.environ, SPECDECODE_THREADING="omp")
+    result = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode != 0 and "SPECDECODE_THREADING='omp'" in result.stderr
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -208,14 +208,17 @@ def test_lane_path_row_counts(isa_name, hq, hkv, t, d, dtype):
 def test_decode_results_do_not_depend_on_thread_count(t, dtype):
     # The split of the prefix is a function of the shapes only, never of the thread count.
     q, k, v, lens, _ = make_case(3, t, 32, 8, 128, [1001, 257, 0], dtype, seed=t)
-    before = specdecode.get_num_threads()
+    mode = specdecode.get_threading()["mode"]
     try:
         outs = []
-        for n in (1, 2, 5):
-            specdecode.set_num_threads(n)
-            outs.append(ops.tree_attention(q, k, v, lens, return_lse=True))
+        for threading in ("pool", "auto"):  # our pool, and torch's OpenMP team where it has one
+            specdecode.set_threading(threading)
+            for n in (1, 2, 5):
+                specdecode.set_num_threads(n)
+                outs.append(ops.tree_attention(q, k, v, lens, return_lse=True))
     finally:
-        specdecode.set_num_threads(before)
+        specdecode.set_num_threads(0)
+        specdecode.set_threading(mode)
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0])
         assert torch.equal(lse, outs[0][1])

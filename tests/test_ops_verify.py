@@ -791,14 +791,19 @@ def test_same_seed_same_tokens_permutation_and_threads():
     )
     for x, y in zip(a, d):
         assert torch.equal(x[perm], y)
-    old = specdecode.get_num_threads()
+    mode = specdecode.get_threading()["mode"]
     try:
         specdecode.set_num_threads(1)
         e = ops.verify(logits, tokens, draft_probs=q, seed=seed, offset=offset, **kw)
+        specdecode.set_num_threads(3)
+        specdecode.set_threading("pool")  # `a` ran on torch's OpenMP team where it has one
+        g = ops.verify(logits, tokens, draft_probs=q, seed=seed, offset=offset, **kw)
     finally:
-        specdecode.set_num_threads(old)
-    for x, y in zip(a, e):
+        specdecode.set_num_threads(0)
+        specdecode.set_threading(mode)
+    for x, y, z in zip(a, e, g):
         assert torch.equal(x, y)
+        assert torch.equal(x, z)
     f = ops.verify(logits, tokens, draft_probs=q, seed=seed, offset=offset + 1, **kw)
     assert not torch.equal(a.emitted, f.emitted)
 

@@ -7,7 +7,7 @@ and a thin Python layer around them. The kernels are in :mod:`specdecode.ops`.
 from __future__ import annotations
 
 from . import drafters, engine, models, ops
-from ._info import get_num_threads, info, set_num_threads
+from ._info import get_num_threads, get_threading, info, set_num_threads, set_threading
 from .engine import GenerationOutput, GenerationStats, SpeculativeDecoder, generate
 from .ops import PAD_TOKEN, TreeInfo, chain_parents, tree_info, tree_paths
 
@@ -25,10 +25,12 @@ __all__ = [
     "engine",
     "generate",
     "get_num_threads",
+    "get_threading",
     "info",
     "models",
     "ops",
     "set_num_threads",
+    "set_threading",
     "tree_info",
     "tree_paths",
 ]

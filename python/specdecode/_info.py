@@ -1,10 +1,22 @@
-"""Build and runtime information, and the CPU thread count."""
+"""Build and runtime information, and the CPU threads of the kernels."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import warnings
+from typing import Any, Literal
 
 from . import _C
+
+_THREADING_MODES = ("auto", "pool", "openmp")
+
+if os.environ.get("SPECDECODE_THREADING", "auto") not in ("auto", "pool"):
+    warnings.warn(
+        f"SPECDECODE_THREADING={os.environ['SPECDECODE_THREADING']!r} is not 'auto' or 'pool'; "
+        "using 'auto' (set 'openmp' with specdecode.set_threading once torch is imported)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def info() -> dict[str, Any]:
@@ -18,24 +30,70 @@ def info() -> dict[str, Any]:
         encodes them, e.g. 13000 for 13.0, 0 when absent; ``devices``, a list of dicts with
         ``index``, ``name``, ``capability``, ``total_memory``; ``error``, why no device is usable,
         empty when devices were found); ``num_threads`` (int, threads of the CPU kernels);
-        ``compiler`` (str).
+        ``threading`` (dict, as :func:`get_threading`); ``compiler`` (str).
     """
     return dict(_C.build_info())
 
 
 def get_num_threads() -> int:
-    """Threads the CPU kernels use (results never depend on it)."""
+    """Threads the CPU kernels use (results never depend on it).
+
+    The count set by :func:`set_num_threads` or ``SPECDECODE_NUM_THREADS`` if any; else, when the
+    kernels run on torch's OpenMP team (see :func:`get_threading`), torch's own count
+    (``torch.set_num_threads`` changes it); else the CPUs this process may run on.
+    """
     return int(_C.num_threads())
 
 
 def set_num_threads(n: int) -> None:
-    """Sets the threads the CPU kernels use; 0 restores the default.
-
-    The default is ``SPECDECODE_NUM_THREADS`` if set, else the CPUs this process may run on.
-    """
+    """Sets the threads the CPU kernels use; 0 restores the default (:func:`get_num_threads`)."""
     if not isinstance(n, int) or isinstance(n, bool):
         raise TypeError(f"n: expected an int, got {type(n).__name__}")
     _C.set_num_threads(n)
+
+
+def get_threading() -> dict[str, str]:
+    """Which threads the CPU kernels run on.
+
+    Returns
+    -------
+    dict
+        ``mode`` (str): ``"auto"``, ``"pool"`` or ``"openmp"``, as set by :func:`set_threading` or
+        ``SPECDECODE_THREADING``. ``backend`` (str): what the next parallel kernel runs on,
+        ``"openmp"`` (the team of the OpenMP runtime already loaded in the process, torch's) or
+        ``"pool"`` (a small pool of specdecode's own). ``runtime`` (str): the path of that OpenMP
+        runtime, ``""`` for the pool.
+    """
+    return dict(_C.threading())
+
+
+def set_threading(mode: Literal["auto", "pool", "openmp"]) -> None:
+    """Chooses the threads the CPU kernels run on; results never depend on it.
+
+    Parameters
+    ----------
+    mode : {"auto", "pool", "openmp"}
+        ``"auto"`` (the default): the team of the OpenMP runtime torch loaded, as soon as one is
+        in the process, else a pool of specdecode's own. ``"openmp"``: that team, and an error if
+        no OpenMP runtime is loaded. ``"pool"``: always specdecode's own pool (the environment
+        variable ``SPECDECODE_THREADING=pool`` sets this at start-up).
+
+    Notes
+    -----
+    specdecode never loads an OpenMP runtime of its own. Torch's OpenMP threads keep spinning for
+    a while after each of torch's parallel regions, and a kernel of ours runs right after one (the
+    projection before attention, the LM head before verification); on the same team those
+    spinning threads take our work instead of competing with our pool for the cores.
+    """
+    if mode not in _THREADING_MODES:
+        raise ValueError(f"mode: expected one of {_THREADING_MODES}, got {mode!r}")
+    _C.set_threading(mode)
+
+
+def _threading_line(threading: dict[str, str]) -> str:
+    if threading["backend"] == "openmp":
+        return f"OpenMP team of {threading['runtime']}, mode {threading['mode']}"
+    return f"specdecode's own pool, mode {threading['mode']}"
 
 
 def format_info(data: dict[str, Any] | None = None) -> str:
@@ -49,7 +107,7 @@ def format_info(data: dict[str, Any] | None = None) -> str:
     lines = [
         f"specdecode {data['version']}",
         f"backends compiled in: {', '.join(data['backends'])}",
-        f"CPU threads: {data['num_threads']}",
+        f"CPU threads: {data['num_threads']} ({_threading_line(data['threading'])})",
         f"compiler: {data['compiler']}",
     ]
     if cuda["compiled"]:
