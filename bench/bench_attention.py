@@ -55,19 +55,26 @@ def best_time(fn, min_reps: int = 3, budget_s: float = 1.0, sync=None) -> float:
     return best
 
 
+PAUSE_S = 0.0  # --pause-ms
+
+
 def best_alternating(fns, reps: int = 12, sync=None) -> list[float]:
     """Best times of several functions run in turn, so all see the same machine load.
 
-    Each timed call starts after a short pause: torch's OpenMP workers keep spinning for a while
-    after a parallel region, and on a 2-core machine a call timed right after another function's
-    would share the cores with those spinning threads.
+    Each call runs right after the previous function's, as in a model: torch's OpenMP threads are
+    still spinning after its parallel region, and specdecode's kernels run on that same team
+    (``specdecode.get_threading()``). With ``--pause-ms`` each timed call starts after a pause
+    instead, the way this bench ran while the kernels had only a pool of their own (which shared
+    the cores with those spinning threads); on a VM a call after a pause pays the wake-up of idle
+    cores, about 0.5 ms at B = 1, S = 512 here.
     """
     best = [float("inf")] * len(fns)
     for fn in fns:
         fn()
     for _ in range(reps):
         for i, fn in enumerate(fns):
-            time.sleep(0.05)
+            if PAUSE_S:
+                time.sleep(PAUSE_S)
             t0 = time.perf_counter()
             fn()
             if sync:
@@ -146,7 +153,15 @@ def main() -> None:
         help="CPU kernels to run: avx512bf16, avx512, avx2 or generic (default: the widest this "
         "CPU has), to measure a narrower instruction set on a wider machine",
     )
+    parser.add_argument(
+        "--pause-ms",
+        type=float,
+        default=0.0,
+        help="pause before each timed call of the alternating rows (default none: back to back)",
+    )
     args = parser.parse_args()
+    global PAUSE_S
+    PAUSE_S = args.pause_ms / 1e3
     if args.isa and not specdecode._C.set_attention_isa(args.isa):
         parser.error(f"--isa {args.isa}: not available on this CPU or build")
     device = torch.device(args.device)
@@ -157,7 +172,10 @@ def main() -> None:
     bw, peak = machine_figures(device, sync)
     probe = torch.empty(64 * 1024 * 1024, dtype=torch.float32, device=device).uniform_()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
-    print(f"# specdecode {specdecode.__version__}, torch {torch.__version__}, threads {threads}")
+    print(
+        f"# specdecode {specdecode.__version__}, torch {torch.__version__}, threads {threads} "
+        f"({specdecode.get_threading()['backend']}), pause {args.pause_ms:g} ms"
+    )
     if device.type == "cpu":
         print(f"# CPU path: {specdecode._C.attention_isa()}")
     else:
@@ -227,7 +245,7 @@ def run_case(batch, s, t, dtype, device, sync, probe, bw, peak, args) -> str:
     kv_col = ""
     if t <= 4:
         # The memory-bound rows: both ops timed in the same alternation with the probe (each
-        # call after a pause and after another function's memory traffic), not back to back.
+        # call after another function's memory traffic), not back to back with themselves.
         t_ours, t_sdpa, t_sum, t_kv = best_alternating(
             [ours, sdpa, probe.sum, kv_read(k, v)], sync=sync
         )

@@ -43,6 +43,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ._info import get_num_threads, get_threading
+
 __all__ = [
     "BenchConfig",
     "Row",
@@ -467,6 +469,8 @@ def run_benchmark(
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "kernel_threads": get_num_threads(),
+        "kernel_threading": get_threading()["backend"],
         "torch": torch.__version__,
         "transformers": importlib.metadata.version("transformers") if hf else None,
         "config": {k: v for k, v in dataclasses.asdict(config).items()},
@@ -662,7 +666,8 @@ def format_report(rows: Sequence[Row], meta: dict[str, Any], command: str) -> st
         f"Model: {meta['model']} (target `{meta['target_dir']}`, draft `{meta['draft_dir']}`, "
         f"tokenizer `{meta['tokenizer']}`)  ",
         f"Date: {meta['date']}; machine: {meta['machine']}, {meta['cpus']} CPUs, torch "
-        f"{meta['torch']} with {meta['torch_threads']} threads, transformers "
+        f"{meta['torch']} with {meta['torch_threads']} threads, specdecode's kernels on "
+        f"{meta.get('kernel_threads', '?')} ({meta.get('kernel_threading', '?')}), transformers "
         f"{meta['transformers']}  ",
         f"Command: `{command}`  ",
         f"{cfg['num_prompts']} prompts per dataset, {cfg['max_new_tokens']} new tokens each "
