@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 #include <link.h>
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -72,7 +73,7 @@ void work(Job& job) {
   }
 }
 
-// ---- An OpenMP runtime already in the process ---------------------------------------------------
+// ---- An OpenMP runtime already in the process -----------------------------------------------
 // Why: torch's OpenMP threads spin for a while after each of torch's parallel regions. Our kernels
 // run right after one (the projection before attention, the LM head before verify), and a pool of
 // our own then shares the cores with spinning threads: B=1 S=4096 decoding attention measured 1.8x
@@ -146,17 +147,27 @@ const OpenMpRuntime* find_loaded_openmp() {
 
 void run_team_member(void* job) { work(*static_cast<Job*>(job)); }
 
-// ---- Our own pool
-// -------------------------------------------------------------------------------- One job at a
-// time; workers sleep on `wake` between jobs. Invariant: `busy` is held by exactly the thread that
-// published the current job, from publishing it until all chunks are done.
+// ---- Our own pool ---------------------------------------------------------------------------
+// One job at a time; workers sleep on `wake` between jobs. Invariant: `busy` is held by exactly
+// the thread that published the current job, from publishing it until all chunks are done.
 class Pool {
  public:
   static Pool& instance() {
-    // Leaked on purpose: joining threads from a static destructor at interpreter exit can hang.
-    static Pool* pool = new Pool();
+    Pool* pool = current().load(std::memory_order_acquire);
+    if (pool != nullptr) return *pool;
+    std::lock_guard<std::mutex> lock(create_mu());
+    pool = current().load(std::memory_order_acquire);
+    if (pool == nullptr) {
+      pool = new Pool();
+      current().store(pool, std::memory_order_release);
+    }
     return *pool;
   }
+
+  // In the child of a fork: the parent's helpers do not exist here, and its mutexes may have
+  // been held at the fork by threads that are gone, so the child starts a pool of its own. The
+  // old one is abandoned, not destroyed (its state is not safe to touch).
+  static void forget_after_fork() { current().store(new Pool(), std::memory_order_release); }
 
   void run(int64_t n, int64_t grain, int64_t chunks, int want,
            const std::function<void(int64_t, int64_t)>& fn) {
@@ -208,6 +219,17 @@ class Pool {
     }
   }
 
+  // Pools are leaked on purpose: joining threads from a static destructor at interpreter exit
+  // can hang.
+  static std::atomic<Pool*>& current() {
+    static std::atomic<Pool*> pool{nullptr};
+    return pool;
+  }
+  static std::mutex& create_mu() {
+    static std::mutex* mu = new std::mutex();
+    return *mu;
+  }
+
   std::mutex busy_;
   std::mutex mu_;
   std::condition_variable wake_, done_;
@@ -217,8 +239,21 @@ class Pool {
   uint64_t generation_ = 0;
 };
 
-// ---- The choice between them
-// ---------------------------------------------------------------------
+// ---- fork ------------------------------------------------------------------------------------
+// An OpenMP team does not survive fork: in the child, GNU libgomp waits at the first parallel
+// region for the parent's threads, which do not exist there (torch's own ops hang the same way).
+// A forked child therefore runs every parallel_for on a fresh pool of ours. The handler is
+// registered when the library loads, so it also covers a fork after torch alone used the team.
+std::atomic<bool> g_forked_child{false};
+
+void on_fork_child() {
+  g_forked_child.store(true);
+  Pool::forget_after_fork();
+}
+
+[[maybe_unused]] const int g_atfork_registered = pthread_atfork(nullptr, nullptr, &on_fork_child);
+
+// ---- The choice between them ----------------------------------------------------------------
 class Threads {
  public:
   static Threads& instance() {
@@ -290,7 +325,8 @@ void set_threading(Threading mode) { Threads::instance().set_mode(mode); }
 Threading threading() { return Threads::instance().mode(); }
 
 ThreadingBackend threading_backend() {
-  if (const OpenMpRuntime* rt = Threads::instance().openmp()) return {"openmp", rt->path};
+  const OpenMpRuntime* rt = Threads::instance().openmp();
+  if (rt != nullptr && !g_forked_child.load()) return {"openmp", rt->path};
   return {"pool", ""};
 }
 
@@ -305,7 +341,9 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
     fn(0, n);
     return;
   }
-  if (rt == nullptr) {
+  // In a forked child the count above still follows the runtime's (torch's); only its team is
+  // unusable there.
+  if (rt == nullptr || g_forked_child.load(std::memory_order_relaxed)) {
     Pool::instance().run(n, grain, chunks, want, fn);
     return;
   }

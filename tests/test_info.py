@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -84,6 +85,49 @@ def test_chunks_run_side_by_side_and_errors_reach_the_caller(mode, restore_threa
     assert _C._parallel_probe(4, 2) == 2  # the pool or team is usable after the error
 
 
+@pytest.mark.parametrize("mode", ["pool", pytest.param("openmp", marks=needs_torch_openmp)])
+def test_concurrent_callers_get_the_same_results(mode, restore_threads):
+    # Callers on several Python threads (the ops release the GIL): on the team each caller gets a
+    # team of its own from the runtime, on the pool a caller that finds it busy runs alone.
+    import threading
+
+    from specdecode import ops
+
+    specdecode.set_threading(mode)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 2, 8, 64, generator=gen)
+    k = torch.randn(3, 600, 2, 64, generator=gen)
+    v = torch.randn(3, 600, 2, 64, generator=gen)
+    lens = torch.tensor([598, 300, 1], dtype=torch.int32)
+    logits = torch.randn(8, 4, 500, generator=gen)
+    tokens = torch.randint(0, 500, (8, 4), generator=gen)
+    seed = torch.arange(8)
+
+    def run():
+        return ops.tree_attention(q, k, v, lens), ops.verify(logits, tokens, seed=seed, offset=3)
+
+    expected = run()
+    results: list = []
+    errors: list = []
+
+    def caller():
+        try:
+            for _ in range(5):
+                results.append(run())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    callers = [threading.Thread(target=caller) for _ in range(3)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(timeout=120)
+    assert not errors and len(results) == 15
+    for attn, res in results:
+        assert torch.equal(attn, expected[0])
+        assert all(torch.equal(x, y) for x, y in zip(res, expected[1]))
+
+
 @needs_torch_openmp
 def test_thread_count_follows_torch_on_the_openmp_team(restore_threads):
     specdecode.set_threading("openmp")
@@ -142,6 +186,53 @@ def test_pool_until_an_openmp_runtime_is_loaded():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+# The parent runs a parallel region (on the team or the pool), forks, and the child runs one too.
+_FORK_SCRIPT = """
+import os, sys, torch, specdecode
+from specdecode import _C, ops
+specdecode.set_threading(sys.argv[1])
+specdecode.set_num_threads(2)
+gen = torch.Generator().manual_seed(3)
+q = torch.randn(1, 1, 8, 64, generator=gen)
+k = torch.randn(1, 3000, 2, 64, generator=gen)
+v = torch.randn(1, 3000, 2, 64, generator=gen)
+lens = torch.tensor([2999], dtype=torch.int32)
+expected = ops.tree_attention(q, k, v, lens)
+assert _C._parallel_probe(4, 2) == 2
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    same = torch.equal(ops.tree_attention(q, k, v, lens), expected)
+    threads = _C._parallel_probe(4, 2)
+    os.write(w, f"{same} {threads} {specdecode.get_threading()['backend']}".encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+print(os.read(r, 100).decode())
+"""
+
+
+@pytest.mark.parametrize("mode", ["pool", pytest.param("openmp", marks=needs_torch_openmp)])
+def test_a_forked_child_runs_on_a_fresh_pool(mode):
+    # An OpenMP team does not survive fork (GNU libgomp waits for the parent's threads); before
+    # the child switched to a pool of its own, this hung.
+    # A session of its own, so that a hung child is killed with its parent on a timeout.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORK_SCRIPT, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the forked child hung")
+    assert proc.returncode == 0, err
+    assert out.split() == ["True", "2", "pool"]
 
 
 def test_threading_environment_variable():

@@ -61,8 +61,9 @@ def get_threading() -> dict[str, str]:
         ``mode`` (str): ``"auto"``, ``"pool"`` or ``"openmp"``, as set by :func:`set_threading` or
         ``SPECDECODE_THREADING``. ``backend`` (str): what the next parallel kernel runs on,
         ``"openmp"`` (the team of the OpenMP runtime already loaded in the process, torch's) or
-        ``"pool"`` (a small pool of specdecode's own). ``runtime`` (str): the path of that OpenMP
-        runtime, ``""`` for the pool.
+        ``"pool"`` (a small pool of specdecode's own; always in the child of a fork, where an
+        OpenMP team does not survive). ``runtime`` (str): the path of that OpenMP runtime, ``""``
+        for the pool.
     """
     return dict(_C.threading())
 

@@ -309,7 +309,8 @@ def make_drafter(kind: str, loaded: LoadedModel, draft_dir: Optional[str], k: in
 def _set_threads(threads: Optional[int], small_model: bool) -> int:
     """Sets torch's intra-op threads: ``threads``, else 1 for the zoo's small models (their
     matrices are too small to split, and OpenMP's spin-waiting makes extra threads ten times
-    slower on a machine whose cores are busy), else the cores up to 4."""
+    slower on a machine whose cores are busy), else the cores up to 4. specdecode's kernels run
+    on torch's OpenMP team with the same count (:func:`specdecode.get_threading`)."""
     import torch
 
     if threads is None:
@@ -660,7 +661,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_demo.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
     p_demo.add_argument(
-        "--threads", type=_positive_int, default=None, help="torch threads (default 1)"
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads, and the kernels' (default 1)",
     )
     p_demo.set_defaults(func=_cmd_demo)
 
@@ -707,7 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=_positive_int,
         default=None,
-        help="torch threads (default: 1 for a zoo model, else the cores up to 4)",
+        help="torch threads, and the kernels' (default: 1 for a zoo model, else the cores up to 4)",
     )
     p_gen.set_defaults(func=_cmd_generate)
 

@@ -28,7 +28,8 @@ void set_threading(Threading mode);
 Threading threading();
 
 // What the next parallel_for would run on: "openmp" or "pool", and the path of the OpenMP runtime
-// ("" for the pool).
+// ("" for the pool). In the child of a fork it is always our pool: an OpenMP team does not
+// survive fork.
 struct ThreadingBackend {
   std::string name;
   std::string runtime;
