@@ -213,17 +213,49 @@ constexpr float kExp2Poly[8] = {1.5252733804059841e-05f, 1.5403530393381606e-04f
 SD_FORCE_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 // Hints the first `bytes` bytes of row j of the next block's keys and of its values (rows
-// `stride` elements apart) into L2: the P V tiles spread these over their FMAs.
+// `stride` elements apart) into L2: the P V tiles spread these over their FMAs. A null next_k
+// hints the values only (the streaming path hints its keys during its scores: NextKeys).
 template <class T>
 SD_FORCE_INLINE void hint_next_row(const T* next_k, const T* next_v, int64_t j, int64_t stride,
                                    int bytes) {
-  const char* nk = reinterpret_cast<const char*>(next_k + j * stride);
   const char* nv = reinterpret_cast<const char*>(next_v + j * stride);
+  if (next_k == nullptr) {
+    for (int b = 0; b < bytes; b += 64) prefetch_l2(nv + b);
+    return;
+  }
+  const char* nk = reinterpret_cast<const char*>(next_k + j * stride);
   for (int b = 0; b < bytes; b += 64) {
     prefetch_l2(nk + b);
     prefetch_l2(nv + b);
   }
 }
+
+// p + i, or null for a null p: an absent hint pointer stays absent across column tiles.
+template <class T>
+SD_FORCE_INLINE const T* advance(const T* p, int64_t i) {
+  return p != nullptr ? p + i : nullptr;
+}
+
+// The keys of a streaming item's next block: key j of KV head h at k + j * rs + h * hs, for
+// j < n (n = 0 after the item's last block). The scores of a block hint them into L2, one key
+// row of the next block per key row they read, so the keys' transfer overlaps the scores and
+// the values' the P V (see stream_range).
+template <class T>
+struct NextKeys {
+  const T* k;
+  int n;
+  int64_t rs, hs;  // elements between key rows, between KV heads
+  // Hints the first `bytes` bytes of key j of KV head h.
+  SD_FORCE_INLINE void hint(int j, int h, int bytes) const {
+    if (j >= n) return;
+    const char* p = reinterpret_cast<const char*>(k + j * rs + h * hs);
+    for (int b = 0; b < bytes; b += 64) prefetch_l2(p + b);
+  }
+  // The view of a loop that starts at key j of the block.
+  NextKeys from(int j) const {
+    return j < n ? NextKeys{k + j * rs, n - j, rs, hs} : NextKeys{k, 0, rs, hs};
+  }
+};
 
 // The AVX-512 kernels on 8-lane vectors: the tile path (keys transposed 8 x 8 in registers,
 // register-blocked score and P V tiles of at most 4 rows x 2 vectors, 16 ymm registers) and the
@@ -342,8 +374,8 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void pv_rows8(const float* p, int n, const typena
                                              const typename Elem<VT>::T* next_v = nullptr,
                                              int n_next = 0) {
   for (int c = 0; c < d; c += 16) {
-    pv_tile8<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c, next_k ? next_k + c : nullptr,
-                        next_v ? next_v + c : nullptr, n_next);
+    pv_tile8<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c, advance(next_k, c), advance(next_v, c),
+                        n_next);
   }
 }
 
@@ -381,16 +413,19 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void stream_reduce8(float* part, int hr, int n, f
 }
 
 // Partial score vectors of keys [0, n) of a block for every query row of `heads` KV heads (fp32
-// query rows, pre-scaled; keys converted in registers). The block's keys and values were hinted
-// into L2 during the previous block's P V.
+// query rows, pre-scaled; keys converted in registers). The block's keys were hinted into L2
+// during the previous block's scores, its values during that block's P V; these scores hint the
+// next block's keys.
 template <int D, AttnDType DT>
 SD_TARGET_AVX2 void stream_partials8(const float* q, int heads, int rows,
                                      const typename Elem<DT>::T* k, int64_t rs, int64_t hs, int n,
-                                     float* part) {
+                                     NextKeys<typename Elem<DT>::T> next, float* part) {
   constexpr int CV = D / 8;
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(typename Elem<DT>::T));
   for (int j = 0; j < n; ++j) {
     for (int h = 0; h < heads; ++h) {
       const typename Elem<DT>::T* kr = k + j * rs + h * hs;
+      next.hint(j, h, kRowBytes);
       for (int r = 0; r < rows; ++r) {
         const float* qr = q + static_cast<int64_t>(h * rows + r) * D;
         // Two chains halve the FMA latency on the critical path.
@@ -506,9 +541,10 @@ struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
   template <AttnDType DT>
   SD_TARGET_AVX2 static void stream_scores(const float* q, int heads, int rows, int d,
                                            const typename Elem<DT>::T* k, int64_t rs, int64_t hs,
-                                           int n, float, float* part, float* s) {
+                                           int n, NextKeys<typename Elem<DT>::T> next, float,
+                                           float* part, float* s) {
     with_head_dim(d, [&](auto dim) {
-      stream_partials8<decltype(dim)::value, DT>(q, heads, rows, k, rs, hs, n, part);
+      stream_partials8<decltype(dim)::value, DT>(q, heads, rows, k, rs, hs, n, next, part);
     });
     stream_reduce8(part, heads * rows, n, 1.0f, s);
   }
@@ -797,17 +833,21 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void pv_rows(const float* p, int n, const typen
   constexpr int kWide = RB > 4 ? 2 : 4;
   int c = 0;
   for (; c + 16 * kWide <= d; c += 16 * kWide)
-    pv_tile<RB, kWide, VT>(p, n, vb + c, vs, d, alpha, o + c, next_k + c, next_v + c, n_next);
+    pv_tile<RB, kWide, VT>(p, n, vb + c, vs, d, alpha, o + c, advance(next_k, c),
+                           advance(next_v, c), n_next);
   // Head dims are multiples of 16: fewer than kWide vectors remain.
   switch ((d - c) / 16) {
     case 1:
-      pv_tile<RB, 1, VT>(p, n, vb + c, vs, d, alpha, o + c, next_k + c, next_v + c, n_next);
+      pv_tile<RB, 1, VT>(p, n, vb + c, vs, d, alpha, o + c, advance(next_k, c), advance(next_v, c),
+                         n_next);
       break;
     case 2:
-      pv_tile<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c, next_k + c, next_v + c, n_next);
+      pv_tile<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c, advance(next_k, c), advance(next_v, c),
+                         n_next);
       break;
     case 3:
-      pv_tile<RB, 3, VT>(p, n, vb + c, vs, d, alpha, o + c, next_k + c, next_v + c, n_next);
+      pv_tile<RB, 3, VT>(p, n, vb + c, vs, d, alpha, o + c, advance(next_k, c), advance(next_v, c),
+                         n_next);
       break;
     default:
       break;
@@ -865,11 +905,13 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void stream_reduce(float* part, int hr, int n, 
 template <int D, AttnDType DT>
 SD_TARGET_AVX512 void stream_partials_f32(const float* q, int heads, int rows,
                                           const typename Elem<DT>::T* k, int64_t rs, int64_t hs,
-                                          int n, float* part) {
+                                          int n, NextKeys<typename Elem<DT>::T> next, float* part) {
   constexpr int CV = D / 16;
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(typename Elem<DT>::T));
   for (int j = 0; j < n; ++j) {
     for (int h = 0; h < heads; ++h) {
       const typename Elem<DT>::T* kr = k + j * rs + h * hs;
+      next.hint(j, h, kRowBytes);
       __m512 kv[CV];
       for (int c = 0; c < CV; ++c) kv[c] = load16<DT>(kr + 16 * c);
       for (int r = 0; r < rows; ++r) {
@@ -897,12 +939,16 @@ SD_TARGET_AVX512 void stream_partials_f32(const float* q, int heads, int rows,
 template <int D, AttnDType DT>
 SD_TARGET_AVX512 void stream_partials2_f32(const float* q, int heads, int rows,
                                            const typename Elem<DT>::T* k, int64_t rs, int64_t hs,
-                                           int n, float* part) {
+                                           int n, NextKeys<typename Elem<DT>::T> next,
+                                           float* part) {
   constexpr int CV = D / 16;
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(typename Elem<DT>::T));
   int j = 0;
   for (; j + 2 <= n; j += 2) {
     for (int h = 0; h < heads; ++h) {
       const typename Elem<DT>::T* kr = k + j * rs + h * hs;
+      next.hint(j, h, kRowBytes);
+      next.hint(j + 1, h, kRowBytes);
       __m512 k0[CV], k1[CV];
       for (int c = 0; c < CV; ++c) {
         k0[c] = load16<DT>(kr + 16 * c);
@@ -930,7 +976,8 @@ SD_TARGET_AVX512 void stream_partials2_f32(const float* q, int heads, int rows,
     }
   }
   if (j < n) {
-    stream_partials_f32<D, DT>(q, heads, rows, k + j * rs, rs, hs, n - j, part + j * 16);
+    stream_partials_f32<D, DT>(q, heads, rows, k + j * rs, rs, hs, n - j, next.from(j),
+                               part + j * 16);
   }
 }
 
@@ -943,12 +990,13 @@ SD_TARGET_AVX512 void stream_partials2_f32(const float* q, int heads, int rows,
 template <int D, AttnDType DT>
 SD_TARGET_AVX512 void stream_partials_rows_f32(const float* q, int heads, int rows,
                                                const typename Elem<DT>::T* k, int64_t rs,
-                                               int64_t hs, int n, float* part) {
+                                               int64_t hs, int n,
+                                               NextKeys<typename Elem<DT>::T> next, float* part) {
   // Two keys of D = 256 would take all 32 vector registers: that head dim keeps one key.
   if constexpr (D <= 128) {
-    stream_partials2_f32<D, DT>(q, heads, rows, k, rs, hs, n, part);
+    stream_partials2_f32<D, DT>(q, heads, rows, k, rs, hs, n, next, part);
   } else {
-    stream_partials_f32<D, DT>(q, heads, rows, k, rs, hs, n, part);
+    stream_partials_f32<D, DT>(q, heads, rows, k, rs, hs, n, next, part);
   }
 }
 
@@ -980,9 +1028,10 @@ struct Avx512Kernels : lanes_avx512::LaneKernels<Avx512Kernels> {
   template <AttnDType DT>
   SD_TARGET_AVX512 static void stream_scores(const float* q, int heads, int rows, int d,
                                              const typename Elem<DT>::T* k, int64_t rs, int64_t hs,
-                                             int n, float, float* part, float* s) {
+                                             int n, NextKeys<typename Elem<DT>::T> next, float,
+                                             float* part, float* s) {
     with_head_dim(d, [&](auto dim) {
-      stream_partials_rows_f32<decltype(dim)::value, DT>(q, heads, rows, k, rs, hs, n, part);
+      stream_partials_rows_f32<decltype(dim)::value, DT>(q, heads, rows, k, rs, hs, n, next, part);
     });
     stream_reduce(part, heads * rows, n, 1.0f, s);
   }
@@ -1149,13 +1198,14 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void scores_tile_bf16(const uint32_t* q, in
 template <int D>
 SD_TARGET_AVX512BF16 void stream_partials_bf16(const float* q, int heads, int rows,
                                                const uint16_t* k, int64_t rs, int64_t hs, int n,
-                                               float* part) {
+                                               NextKeys<uint16_t> next, float* part) {
   constexpr int W = D / 2;
   constexpr int CW = (W + 15) / 16;
   constexpr __mmask16 kLast = static_cast<__mmask16>(W % 16 == 0 ? 0xFFFF : (1u << (W % 16)) - 1u);
   for (int j = 0; j < n; ++j) {
     for (int h = 0; h < heads; ++h) {
       const uint16_t* kr = k + j * rs + h * hs;
+      next.hint(j, h, 2 * D);
       __m512bh kv[CW];
       for (int c = 0; c < CW; ++c) {
         const __mmask16 mk = c == CW - 1 ? kLast : static_cast<__mmask16>(0xFFFF);
@@ -1183,7 +1233,7 @@ SD_TARGET_AVX512BF16 void stream_partials_bf16(const float* q, int heads, int ro
 template <int D>
 SD_TARGET_AVX512BF16 void stream_partials2_bf16(const float* q, int heads, int rows,
                                                 const uint16_t* k, int64_t rs, int64_t hs, int n,
-                                                float* part) {
+                                                NextKeys<uint16_t> next, float* part) {
   constexpr int W = D / 2;
   constexpr int CW = (W + 15) / 16;
   constexpr __mmask16 kLast = static_cast<__mmask16>(W % 16 == 0 ? 0xFFFF : (1u << (W % 16)) - 1u);
@@ -1191,6 +1241,8 @@ SD_TARGET_AVX512BF16 void stream_partials2_bf16(const float* q, int heads, int r
   for (; j + 2 <= n; j += 2) {
     for (int h = 0; h < heads; ++h) {
       const uint16_t* kr = k + j * rs + h * hs;
+      next.hint(j, h, 2 * D);
+      next.hint(j + 1, h, 2 * D);
       __m512bh k0[CW], k1[CW];
       for (int c = 0; c < CW; ++c) {
         const __mmask16 mk = c == CW - 1 ? kLast : static_cast<__mmask16>(0xFFFF);
@@ -1219,17 +1271,17 @@ SD_TARGET_AVX512BF16 void stream_partials2_bf16(const float* q, int heads, int r
     }
   }
   if (j < n) {
-    stream_partials_bf16<D>(q, heads, rows, k + j * rs, rs, hs, n - j, part + j * 16);
+    stream_partials_bf16<D>(q, heads, rows, k + j * rs, rs, hs, n - j, next.from(j), part + j * 16);
   }
 }
 
 template <int D>
 SD_TARGET_AVX512BF16 void stream_partials_rows_bf16(const float* q, int heads, int rows,
                                                     const uint16_t* k, int64_t rs, int64_t hs,
-                                                    int n, float* part) {
+                                                    int n, NextKeys<uint16_t> next, float* part) {
   // Two keys per step at every row count (see stream_partials_rows_f32); a trailing odd key of
   // a block takes the one-key loop.
-  stream_partials2_bf16<D>(q, heads, rows, k, rs, hs, n, part);
+  stream_partials2_bf16<D>(q, heads, rows, k, rs, hs, n, next, part);
 }
 
 // s[j] = mult * sum_i qt[i] . kp[j][i] over the W bf16 pairs of 8 keys (vdpbf16ps, each pair of
@@ -1347,10 +1399,11 @@ struct Avx512Bf16Kernels : Avx512Kernels {
   template <AttnDType DT>
   SD_TARGET_AVX512BF16 static void stream_scores(const float* q, int heads, int rows, int d,
                                                  const uint16_t* k, int64_t rs, int64_t hs, int n,
-                                                 float mult, float* part, float* s) {
+                                                 NextKeys<uint16_t> next, float mult, float* part,
+                                                 float* s) {
     static_assert(DT == AttnDType::kBFloat16, "bf16 only");
     with_head_dim(d, [&](auto dim) {
-      stream_partials_rows_bf16<decltype(dim)::value>(q, heads, rows, k, rs, hs, n, part);
+      stream_partials_rows_bf16<decltype(dim)::value>(q, heads, rows, k, rs, hs, n, next, part);
     });
     stream_reduce(part, heads * rows, n, mult, s);
   }
@@ -1648,14 +1701,18 @@ bool use_lanes(const Shape& sh) {
 //
 // Overlap of transfer and compute: each core reads its items from DRAM at a limited rate (one
 // core streams about 20-23 GB/s here), so the transfer of a block must proceed while the
-// previous block computes. The P V of block b for KV head h (the FMA-heavy phase) therefore
-// hints the keys and values of block b + 1 for head h into L2, one line of K and one of V per
-// line of V it reads, so the requests are spread over the FMAs at a steady rate. The scores of
-// block b + 1 then read their keys from L2. Measured on the 2-core Zen 4 VM (same-run A/B
-// against the previous scheme, which prefetched a block's values into L1 in a burst during its
-// scores and left the keys to the hardware prefetcher, which stops at every 4 KiB page, i.e.
-// at every fp32 key row of [Hkv = 8, D = 128]): T = 1 and 2 took 5-50 % less time from DRAM,
-// most for bf16; the same hints into L1 (prefetcht0), or two blocks ahead, were not faster.
+// previous block computes. The hardware prefetchers stop at every 4 KiB page, i.e. at every fp32
+// key row of [Hkv = 8, D = 128], so the next block is hinted into L2 in software: its keys by
+// this block's scores (NextKeys, one key row hinted per key row read), its values by this
+// block's P V (one line per line of V read). The requests are thus spread over both phases at a
+// steady rate. Measured on the 2-core Zen 4 VM, same-run A/Bs:
+// - against a scheme that prefetched a block's values into L1 in a burst during its scores and
+//   left the keys to the hardware: T = 1 and 2 took 5-50 % less time from DRAM, most for bf16
+//   (the same hints into L1, or two blocks ahead, were not faster);
+// - against hinting the keys during the P V as well (twice the hints in half the time, nothing
+//   during the scores), T = 1 from DRAM: fp32 took 10-28 % less time on AVX-512 and 25-28 % less
+//   on AVX2, fp16 7-12 % less; bf16 moved both ways within the noise of its rounds (session 12,
+//   bench/results/attention_s12_next_keys.txt).
 template <class K, AttnDType DT>
 void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
                   const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws,
@@ -1669,10 +1726,12 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
     for (int64_t r = 0; r < sh.heads * sh.rows; ++r) st[r] = softmax_init();
     for (int64_t j0 = begin; j0 < end; j0 += kStreamKeys) {
       const int n = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0));
-      K::template stream_scores<DT>(ws.q, heads, rows, d, k + j0 * rs, rs, hs, n, a.scale * kLog2e,
-                                    ws.part, ws.sall);
-      // Keys of this item's next block (none after its last): hinted during this block's P V.
+      // Keys of this item's next block (none after its last): its keys are hinted during this
+      // block's scores, its values during this block's P V.
       const int n_next = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0 - n));
+      const NextKeys<typename Elem<DT>::T> next{k + (j0 + n) * rs, n_next, rs, hs};
+      K::template stream_scores<DT>(ws.q, heads, rows, d, k + j0 * rs, rs, hs, n, next,
+                                    a.scale * kLog2e, ws.part, ws.sall);
       const uint32_t vis = (uint32_t{1} << n) - 1;
       for (int h = 0; h < heads; ++h) {
         float* sh_rows = ws.sall + static_cast<int64_t>(h) * rows * kBlock;
@@ -1680,8 +1739,8 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
           ws.alpha[r] = K::softmax_row16(sh_rows + r * kBlock, vis, &st[h * rows + r]);
         }
         K::template pv_stream<DT>(sh_rows, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
-                                  o + static_cast<int64_t>(h) * rows * sh.d,
-                                  k + (j0 + n) * rs + h * hs, v + (j0 + n) * rs + h * hs, n_next);
+                                  o + static_cast<int64_t>(h) * rows * sh.d, nullptr,
+                                  v + (j0 + n) * rs + h * hs, n_next);
       }
     }
   }
