@@ -1376,18 +1376,22 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_rows_pairs(
     const uint16_t* next_k, const uint16_t* next_v, int64_t rs, int n_next) {
   int c = 0;
   for (; c + 64 <= d; c += 64) {
-    pv_tile_pairs<RB, 4>(pw, pairs, vp + c, d, alpha, o + c, next_k + c, next_v + c, rs, n_next);
+    pv_tile_pairs<RB, 4>(pw, pairs, vp + c, d, alpha, o + c, advance(next_k, c), advance(next_v, c),
+                         rs, n_next);
   }
   // Head dims are multiples of 16: fewer than 4 vectors remain.
   switch ((d - c) / 16) {
     case 1:
-      pv_tile_pairs<RB, 1>(pw, pairs, vp + c, d, alpha, o + c, next_k + c, next_v + c, rs, n_next);
+      pv_tile_pairs<RB, 1>(pw, pairs, vp + c, d, alpha, o + c, advance(next_k, c),
+                           advance(next_v, c), rs, n_next);
       break;
     case 2:
-      pv_tile_pairs<RB, 2>(pw, pairs, vp + c, d, alpha, o + c, next_k + c, next_v + c, rs, n_next);
+      pv_tile_pairs<RB, 2>(pw, pairs, vp + c, d, alpha, o + c, advance(next_k, c),
+                           advance(next_v, c), rs, n_next);
       break;
     case 3:
-      pv_tile_pairs<RB, 3>(pw, pairs, vp + c, d, alpha, o + c, next_k + c, next_v + c, rs, n_next);
+      pv_tile_pairs<RB, 3>(pw, pairs, vp + c, d, alpha, o + c, advance(next_k, c),
+                           advance(next_v, c), rs, n_next);
       break;
     default:
       break;
@@ -1748,9 +1752,12 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
 
 // The prefix keys [begin, end) of the item's KV heads with the query rows of each KV head in
 // the lanes of L (lanes_transpose), in blocks of kStreamKeys keys: per KV head the scores and the
-// lane-wise softmax update (K::lane_block), then the P V tiles of the streaming path, which hint
-// the head's next block into L2 as in stream_range. Same state and accumulator contract as
-// attend_range.
+// lane-wise softmax update (K::lane_block), then the P V tiles of the streaming path. The next
+// block is hinted into L2 as in stream_range: a head's keys before its scores, its values during
+// its P V. Against hinting both during the P V, from DRAM, alternating processes (session 12,
+// bench/results/attention_s12_lane_next_keys.txt): bf16 T = 4 at B = 8, S = 4096 took 15-16 %
+// less time, T = 2 2-15 % less (fp32 and bf16), T = 3 and fp32 T = 4 within 3 %. Same state and
+// accumulator contract as attend_range.
 template <class K, AttnDType DT, class L>
 void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
                    const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws,
@@ -1760,6 +1767,7 @@ void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<
   const int heads = static_cast<int>(sh.heads);
   const int64_t rs = a.kv_strides[1], hs = a.kv_strides[2];
   const int64_t words = K::template lane_words<DT>(d);
+  const int row_bytes = d * static_cast<int>(sizeof(typename Elem<DT>::T));
   std::fill(o, o + sh.heads * sh.rows * sh.d, 0.0f);
   for (int h = 0; h < heads; ++h) {
     K::template lane_query<L>(ws.q + static_cast<int64_t>(h) * rows * d, d, rows,
@@ -1771,12 +1779,16 @@ void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<
   for (int64_t j0 = begin; j0 < end; j0 += kStreamKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0));
     const int n_next = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0 - n));
+    const NextKeys<typename Elem<DT>::T> next{k + (j0 + n) * rs, n_next, rs, hs};
     for (int h = 0; h < heads; ++h) {
+      // The head's next keys are hinted before its scores, its next values during its P V (as in
+      // stream_range, one burst here: the lane scores of a head take as long as its P V).
+      for (int j = 0; j < n_next; ++j) next.hint(j, h, row_bytes);
       K::template lane_block<DT, L>(ws.qt + h * words * L::kW, d, rows, k + j0 * rs + h * hs, rs, n,
                                     a.scale * kLog2e, ws.kt, ws.lane_ml + h * 2 * kLanes, ws.sall,
                                     ws.alpha);
       K::template lane_pv<DT>(ws.sall, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
-                              o + static_cast<int64_t>(h) * rows * sh.d, k + (j0 + n) * rs + h * hs,
+                              o + static_cast<int64_t>(h) * rows * sh.d, nullptr,
                               v + (j0 + n) * rs + h * hs, n_next, ws.vb);
     }
   }
