@@ -236,10 +236,11 @@ SD_FORCE_INLINE const T* advance(const T* p, int64_t i) {
   return p != nullptr ? p + i : nullptr;
 }
 
-// The keys of a streaming item's next block: key j of KV head h at k + j * rs + h * hs, for
-// j < n (n = 0 after the item's last block). The scores of a block hint them into L2, one key
-// row of the next block per key row they read, so the keys' transfer overlaps the scores and
-// the values' the P V (see stream_range).
+// The keys of an item's next block: key j of KV head h at k + j * rs + h * hs, for j < n (n = 0
+// after the item's last block). They are hinted into L2 apart from the values, which the P V
+// hints, so the keys' transfer overlaps the scores and the values' the P V: the streaming
+// scores hint one key row of the next block per key row they read (stream_range), the lane
+// path hints a head's next keys before the head's scores (lane_range_of).
 template <class T>
 struct NextKeys {
   const T* k;
