@@ -212,28 +212,13 @@ constexpr float kExp2Poly[8] = {1.5252733804059841e-05f, 1.5403530393381606e-04f
 // A hint that parks a line in L2 (prefetcht1), not L1: see stream_range.
 SD_FORCE_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
-// Hints the first `bytes` bytes of row j of the next block's keys and of its values (rows
-// `stride` elements apart) into L2: the P V tiles spread these over their FMAs. A null next_k
-// hints the values only (the streaming path hints its keys during its scores: NextKeys).
+// Hints the first `bytes` bytes of row j of the next block's values (rows `stride` elements
+// apart) into L2: the P V tiles spread these over their FMAs. The next block's keys are hinted
+// apart from them, around the scores (NextKeys).
 template <class T>
-SD_FORCE_INLINE void hint_next_row(const T* next_k, const T* next_v, int64_t j, int64_t stride,
-                                   int bytes) {
+SD_FORCE_INLINE void hint_next_values(const T* next_v, int64_t j, int64_t stride, int bytes) {
   const char* nv = reinterpret_cast<const char*>(next_v + j * stride);
-  if (next_k == nullptr) {
-    for (int b = 0; b < bytes; b += 64) prefetch_l2(nv + b);
-    return;
-  }
-  const char* nk = reinterpret_cast<const char*>(next_k + j * stride);
-  for (int b = 0; b < bytes; b += 64) {
-    prefetch_l2(nk + b);
-    prefetch_l2(nv + b);
-  }
-}
-
-// p + i, or null for a null p: an absent hint pointer stays absent across column tiles.
-template <class T>
-SD_FORCE_INLINE const T* advance(const T* p, int64_t i) {
-  return p != nullptr ? p + i : nullptr;
+  for (int b = 0; b < bytes; b += 64) prefetch_l2(nv + b);
 }
 
 // The keys of an item's next block: key j of KV head h at k + j * rs + h * hs, for j < n (n = 0
@@ -339,11 +324,10 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void scores_rows8(const float* q, int d, const fl
 }
 
 // o[r][c0 .. c0 + 8 CV) = alpha[r] * o + sum_j p[r][j] v[j] for RB rows. With n_next > 0 it
-// also hints the same columns of the next block's keys and values into L2, as pv_tile does.
+// also hints the same columns of the next block's values into L2, as pv_tile does.
 template <int RB, int CV, AttnDType VT>
 SD_TARGET_AVX2 SD_FORCE_INLINE void pv_tile8(const float* p, int n, const typename Elem<VT>::T* vb,
                                              int64_t vs, int d, const float* alpha, float* o,
-                                             const typename Elem<VT>::T* next_k = nullptr,
                                              const typename Elem<VT>::T* next_v = nullptr,
                                              int n_next = 0) {
   constexpr int kTileBytes = CV * 8 * static_cast<int>(sizeof(typename Elem<VT>::T));
@@ -353,7 +337,7 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void pv_tile8(const float* p, int n, const typena
     for (int c = 0; c < CV; ++c) acc[r][c] = _mm256_mul_ps(a, _mm256_loadu_ps(o + r * d + 8 * c));
   }
   for (int j = 0; j < n; ++j) {
-    if (j < n_next) hint_next_row(next_k, next_v, j, vs, kTileBytes);
+    if (j < n_next) hint_next_values(next_v, j, vs, kTileBytes);
     __m256 v[CV];
     for (int c = 0; c < CV; ++c) v[c] = load8<VT>(vb + j * vs + 8 * c);
     for (int r = 0; r < RB; ++r) {
@@ -371,12 +355,10 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void pv_tile8(const float* p, int n, const typena
 template <int RB, AttnDType VT>
 SD_TARGET_AVX2 SD_FORCE_INLINE void pv_rows8(const float* p, int n, const typename Elem<VT>::T* vb,
                                              int64_t vs, int d, const float* alpha, float* o,
-                                             const typename Elem<VT>::T* next_k = nullptr,
                                              const typename Elem<VT>::T* next_v = nullptr,
                                              int n_next = 0) {
   for (int c = 0; c < d; c += 16) {
-    pv_tile8<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c, advance(next_k, c), advance(next_v, c),
-                        n_next);
+    pv_tile8<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c, next_v ? next_v + c : nullptr, n_next);
   }
 }
 
@@ -638,31 +620,30 @@ struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
   template <AttnDType VT>
   SD_TARGET_AVX2 static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
                                 int64_t vs, int d, const float* alpha, float* o) {
-    pv_stream<VT>(p, rows, n, vb, vs, d, alpha, o, nullptr, nullptr, 0);
+    pv_stream<VT>(p, rows, n, vb, vs, d, alpha, o, nullptr, 0);
   }
-  // pv that also hints the next block's keys and values (n_next rows at next_k / next_v, strides
-  // vs) into L2, during its first row tile only (see stream_range).
+  // pv that also hints the next block's values (n_next rows at next_v, stride vs) into L2,
+  // during its first row tile only (see stream_range).
   template <AttnDType VT>
   SD_TARGET_AVX2 static void pv_stream(const float* p, int rows, int n,
                                        const typename Elem<VT>::T* vb, int64_t vs, int d,
                                        const float* alpha, float* o,
-                                       const typename Elem<VT>::T* next_k,
                                        const typename Elem<VT>::T* next_v, int n_next) {
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-      pv_rows8<4, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v,
+      pv_rows8<4, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_v,
                       r == 0 ? n_next : 0);
     }
     const int hint = r == 0 ? n_next : 0;
     switch (rows - r) {
       case 1:
-        pv_rows8<1, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v, hint);
+        pv_rows8<1, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_v, hint);
         break;
       case 2:
-        pv_rows8<2, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v, hint);
+        pv_rows8<2, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_v, hint);
         break;
       case 3:
-        pv_rows8<3, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v, hint);
+        pv_rows8<3, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_v, hint);
         break;
       default:
         break;
@@ -796,13 +777,11 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void scores_tile(const float* q, int d, const f
 }
 
 // o[r][c0 .. c0 + 16 CV) = alpha[r] * o + sum_j p[r][j] v[j] for RB rows. With n_next > 0 it
-// also hints, for j < n_next, the same columns of rows next_k + j * vs and next_v + j * vs (the
-// next block of the streaming path, same strides as vb): one line of each per line of v read,
-// spread over the FMAs of the tile.
+// also hints, for j < n_next, the same columns of rows next_v + j * vs (the next block's values,
+// same strides as vb): one line per line of v read, spread over the FMAs of the tile.
 template <int RB, int CV, AttnDType VT>
 SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const typename Elem<VT>::T* vb,
                                               int64_t vs, int d, const float* alpha, float* o,
-                                              const typename Elem<VT>::T* next_k,
                                               const typename Elem<VT>::T* next_v, int n_next) {
   constexpr int kTileBytes = CV * 16 * static_cast<int>(sizeof(typename Elem<VT>::T));
   __m512 acc[RB][CV];
@@ -811,7 +790,7 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const typen
     for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * d + 16 * c));
   }
   for (int j = 0; j < n; ++j) {
-    if (j < n_next) hint_next_row(next_k, next_v, j, vs, kTileBytes);
+    if (j < n_next) hint_next_values(next_v, j, vs, kTileBytes);
     __m512 v[CV];
     for (int c = 0; c < CV; ++c) v[c] = load16<VT>(vb + j * vs + 16 * c);
     for (int r = 0; r < RB; ++r) {
@@ -825,30 +804,25 @@ SD_TARGET_AVX512 SD_FORCE_INLINE void pv_tile(const float* p, int n, const typen
 }
 
 // Full tiles of 8 rows use 8 x 2 register tiles (fewer loads of V per FMA); fewer rows use
-// up to 4 x 4. next_k / next_v / n_next: see pv_tile (every column tile hints its own columns).
+// up to 4 x 4. next_v / n_next: see pv_tile (every column tile hints its own columns).
 template <int RB, AttnDType VT>
 SD_TARGET_AVX512 SD_FORCE_INLINE void pv_rows(const float* p, int n, const typename Elem<VT>::T* vb,
                                               int64_t vs, int d, const float* alpha, float* o,
-                                              const typename Elem<VT>::T* next_k,
                                               const typename Elem<VT>::T* next_v, int n_next) {
   constexpr int kWide = RB > 4 ? 2 : 4;
   int c = 0;
   for (; c + 16 * kWide <= d; c += 16 * kWide)
-    pv_tile<RB, kWide, VT>(p, n, vb + c, vs, d, alpha, o + c, advance(next_k, c),
-                           advance(next_v, c), n_next);
+    pv_tile<RB, kWide, VT>(p, n, vb + c, vs, d, alpha, o + c, next_v + c, n_next);
   // Head dims are multiples of 16: fewer than kWide vectors remain.
   switch ((d - c) / 16) {
     case 1:
-      pv_tile<RB, 1, VT>(p, n, vb + c, vs, d, alpha, o + c, advance(next_k, c), advance(next_v, c),
-                         n_next);
+      pv_tile<RB, 1, VT>(p, n, vb + c, vs, d, alpha, o + c, next_v + c, n_next);
       break;
     case 2:
-      pv_tile<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c, advance(next_k, c), advance(next_v, c),
-                         n_next);
+      pv_tile<RB, 2, VT>(p, n, vb + c, vs, d, alpha, o + c, next_v + c, n_next);
       break;
     case 3:
-      pv_tile<RB, 3, VT>(p, n, vb + c, vs, d, alpha, o + c, advance(next_k, c), advance(next_v, c),
-                         n_next);
+      pv_tile<RB, 3, VT>(p, n, vb + c, vs, d, alpha, o + c, next_v + c, n_next);
       break;
     default:
       break;
@@ -1122,35 +1096,34 @@ struct Avx512Kernels : lanes_avx512::LaneKernels<Avx512Kernels> {
   template <AttnDType VT>
   SD_TARGET_AVX512 static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
                                   int64_t vs, int d, const float* alpha, float* o) {
-    pv_stream<VT>(p, rows, n, vb, vs, d, alpha, o, vb, vb, 0);
+    pv_stream<VT>(p, rows, n, vb, vs, d, alpha, o, vb, 0);
   }
-  // pv that also hints the next block's keys and values (n_next rows at next_k / next_v, strides
-  // vs) into L2, during its first row tile only (see stream_range).
+  // pv that also hints the next block's values (n_next rows at next_v, stride vs) into L2,
+  // during its first row tile only (see stream_range).
   template <AttnDType VT>
   SD_TARGET_AVX512 static void pv_stream(const float* p, int rows, int n,
                                          const typename Elem<VT>::T* vb, int64_t vs, int d,
                                          const float* alpha, float* o,
-                                         const typename Elem<VT>::T* next_k,
                                          const typename Elem<VT>::T* next_v, int n_next) {
     if (rows == 8) {
-      pv_rows<8, VT>(p, n, vb, vs, d, alpha, o, next_k, next_v, n_next);
+      pv_rows<8, VT>(p, n, vb, vs, d, alpha, o, next_v, n_next);
       return;
     }
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-      pv_rows<4, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v,
+      pv_rows<4, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_v,
                      r == 0 ? n_next : 0);
     }
     const int hint = r == 0 ? n_next : 0;
     switch (rows - r) {
       case 1:
-        pv_rows<1, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v, hint);
+        pv_rows<1, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_v, hint);
         break;
       case 2:
-        pv_rows<2, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v, hint);
+        pv_rows<2, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_v, hint);
         break;
       case 3:
-        pv_rows<3, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_k, next_v, hint);
+        pv_rows<3, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_v, hint);
         break;
       default:
         break;
@@ -1348,11 +1321,13 @@ SD_TARGET_AVX512BF16 void lane_stage_v_pairs(const uint16_t* v, int64_t rs, int 
 }
 
 // o[r][c0 .. c0 + 16 CV) = alpha[r] * o + sum_m pw[m][r] . vp[m] for RB rows over `pairs` key
-// pairs, with the hints of pv_tile (n_next rows of next_k / next_v, rs apart, the tile's columns).
+// pairs, with the hints of pv_tile (n_next rows of next_v, rs apart, the tile's columns).
 template <int RB, int CV>
-SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_tile_pairs(
-    const uint32_t* pw, int pairs, const uint32_t* vp, int d, const float* alpha, float* o,
-    const uint16_t* next_k, const uint16_t* next_v, int64_t rs, int n_next) {
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_tile_pairs(const uint32_t* pw, int pairs,
+                                                        const uint32_t* vp, int d,
+                                                        const float* alpha, float* o,
+                                                        const uint16_t* next_v, int64_t rs,
+                                                        int n_next) {
   constexpr int kTileBytes = CV * 16 * static_cast<int>(sizeof(uint16_t));
   __m512 acc[RB][CV];
   for (int r = 0; r < RB; ++r) {
@@ -1361,7 +1336,7 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_tile_pairs(
   }
   for (int m = 0; m < pairs; ++m) {
     for (int j = 2 * m; j < 2 * m + 2 && j < n_next; ++j) {
-      hint_next_row(next_k, next_v, j, rs, kTileBytes);
+      hint_next_values(next_v, j, rs, kTileBytes);
     }
     dp_tile_step<RB, CV>(acc, pw + m * kLanes, 1, vp + m * d);
   }
@@ -1372,27 +1347,25 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_tile_pairs(
 
 // pv_tile_pairs for RB rows over the whole head dim, 4 vectors at a time.
 template <int RB>
-SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_rows_pairs(
-    const uint32_t* pw, int pairs, const uint32_t* vp, int d, const float* alpha, float* o,
-    const uint16_t* next_k, const uint16_t* next_v, int64_t rs, int n_next) {
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_rows_pairs(const uint32_t* pw, int pairs,
+                                                        const uint32_t* vp, int d,
+                                                        const float* alpha, float* o,
+                                                        const uint16_t* next_v, int64_t rs,
+                                                        int n_next) {
   int c = 0;
   for (; c + 64 <= d; c += 64) {
-    pv_tile_pairs<RB, 4>(pw, pairs, vp + c, d, alpha, o + c, advance(next_k, c), advance(next_v, c),
-                         rs, n_next);
+    pv_tile_pairs<RB, 4>(pw, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
   }
   // Head dims are multiples of 16: fewer than 4 vectors remain.
   switch ((d - c) / 16) {
     case 1:
-      pv_tile_pairs<RB, 1>(pw, pairs, vp + c, d, alpha, o + c, advance(next_k, c),
-                           advance(next_v, c), rs, n_next);
+      pv_tile_pairs<RB, 1>(pw, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
       break;
     case 2:
-      pv_tile_pairs<RB, 2>(pw, pairs, vp + c, d, alpha, o + c, advance(next_k, c),
-                           advance(next_v, c), rs, n_next);
+      pv_tile_pairs<RB, 2>(pw, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
       break;
     case 3:
-      pv_tile_pairs<RB, 3>(pw, pairs, vp + c, d, alpha, o + c, advance(next_k, c),
-                           advance(next_v, c), rs, n_next);
+      pv_tile_pairs<RB, 3>(pw, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
       break;
     default:
       break;
@@ -1434,8 +1407,7 @@ struct Avx512Bf16Kernels : Avx512Kernels {
   template <AttnDType DT>
   SD_TARGET_AVX512BF16 static void lane_pv(const float* p, int rows, int n, const uint16_t* v,
                                            int64_t rs, int d, const float* alpha, float* o,
-                                           const uint16_t* next_k, const uint16_t* next_v,
-                                           int n_next, float* vbuf) {
+                                           const uint16_t* next_v, int n_next, float* vbuf) {
     static_assert(DT == AttnDType::kBFloat16, "bf16 only");
     uint32_t* vp = reinterpret_cast<uint32_t*>(vbuf);
     lane_stage_v_pairs(v, rs, n, d, vp);
@@ -1443,19 +1415,18 @@ struct Avx512Bf16Kernels : Avx512Kernels {
     const int pairs = (n + 1) / 2;
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-      pv_rows_pairs<4>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_k, next_v, rs,
-                       r == 0 ? n_next : 0);
+      pv_rows_pairs<4>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_v, rs, r == 0 ? n_next : 0);
     }
     const int hint = r == 0 ? n_next : 0;
     switch (rows - r) {
       case 1:
-        pv_rows_pairs<1>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_k, next_v, rs, hint);
+        pv_rows_pairs<1>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_v, rs, hint);
         break;
       case 2:
-        pv_rows_pairs<2>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_k, next_v, rs, hint);
+        pv_rows_pairs<2>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_v, rs, hint);
         break;
       case 3:
-        pv_rows_pairs<3>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_k, next_v, rs, hint);
+        pv_rows_pairs<3>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_v, rs, hint);
         break;
       default:
         break;
@@ -1744,7 +1715,7 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
           ws.alpha[r] = K::softmax_row16(sh_rows + r * kBlock, vis, &st[h * rows + r]);
         }
         K::template pv_stream<DT>(sh_rows, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
-                                  o + static_cast<int64_t>(h) * rows * sh.d, nullptr,
+                                  o + static_cast<int64_t>(h) * rows * sh.d,
                                   v + (j0 + n) * rs + h * hs, n_next);
       }
     }
@@ -1789,8 +1760,8 @@ void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<
                                     a.scale * kLog2e, ws.kt, ws.lane_ml + h * 2 * kLanes, ws.sall,
                                     ws.alpha);
       K::template lane_pv<DT>(ws.sall, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
-                              o + static_cast<int64_t>(h) * rows * sh.d, nullptr,
-                              v + (j0 + n) * rs + h * hs, n_next, ws.vb);
+                              o + static_cast<int64_t>(h) * rows * sh.d, v + (j0 + n) * rs + h * hs,
+                              n_next, ws.vb);
     }
   }
   for (int h = 0; h < heads; ++h) {
