@@ -174,8 +174,9 @@ print("ok")
 
 
 @needs_torch_openmp
-def test_pool_until_an_openmp_runtime_is_loaded():
-    runtime = specdecode.get_threading()["runtime"] or pytest.skip("threading set to pool here")
+def test_pool_until_an_openmp_runtime_is_loaded(restore_threads):
+    specdecode.set_threading("auto")  # even where SPECDECODE_THREADING=pool is set
+    runtime = specdecode.get_threading()["runtime"]
     env = {k: v for k, v in os.environ.items() if k != "SPECDECODE_THREADING"}
     result = subprocess.run(
         [sys.executable, "-c", _NO_TORCH_SCRIPT, _C.__file__, runtime],
