@@ -11,6 +11,7 @@
 #include <algorithm>
 
 #include "attention.cuh"
+#include "launch.cuh"
 #include "specdecode/attention.h"
 #include "specdecode/host_device.h"
 
@@ -147,7 +148,7 @@ template <int D, AttnDType DT>
 __global__ void __launch_bounds__(kWarps* kWarp) attend_kernel(Params p) {
   using T = typename Elem<DT>::T;
   constexpr int kNV = (D + kWarp - 1) / kWarp;
-  extern __shared__ float smem[];
+  SD_DYNAMIC_SHARED(float, smem);
   float* ks = smem;
   float* vs = ks + kTile * (D + 1);
   float* qs = vs + kTile * D;
@@ -281,13 +282,13 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.row_tiles * p.splits), static_cast<unsigned>(a.kv_heads),
                   static_cast<unsigned>(a.batch));
-  attend_kernel<D, DT><<<grid, kWarps * kWarp, smem, stream>>>(p);
+  SD_LAUNCH(grid, kWarps * kWarp, smem, stream, attend_kernel<D, DT>)(p);
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   constexpr int kMergeWarps = 4;
   const int64_t nrows = a.batch * a.tree_len * a.q_heads;
   const unsigned blocks = static_cast<unsigned>((nrows + kMergeWarps - 1) / kMergeWarps);
-  merge_kernel<D, DT><<<blocks, kMergeWarps * kWarp, 0, stream>>>(p);
+  SD_LAUNCH(blocks, kMergeWarps * kWarp, 0, stream, merge_kernel<D, DT>)(p);
   return cudaGetLastError();
 }
 
@@ -389,12 +390,12 @@ cudaError_t compact_kv(void* k, void* v, int elem_size, const int64_t kv_strides
                        cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
   constexpr int kThreads = 128;
-  compact_validate_kernel<<<static_cast<unsigned>((batch + kThreads - 1) / kThreads), kThreads, 0,
-                            stream>>>(prefix_lens, path, path_len, num_accepted, batch, cache_len,
-                                      status);
+  SD_LAUNCH(static_cast<unsigned>((batch + kThreads - 1) / kThreads), kThreads, 0, stream,
+            compact_validate_kernel)(prefix_lens, path, path_len, num_accepted, batch, cache_len,
+                                     status);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  compact_move_kernel<<<static_cast<unsigned>(batch), 256, 0, stream>>>(
+  SD_LAUNCH(static_cast<unsigned>(batch), 256, 0, stream, compact_move_kernel)(
       static_cast<char*>(k), static_cast<char*>(v), elem_size, kv_strides[0], kv_strides[1],
       kv_strides[2], batch, kv_heads, head_dim, prefix_lens, path, path_len, num_accepted, new_lens,
       status);

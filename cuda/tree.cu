@@ -1,5 +1,6 @@
 #include <algorithm>
 
+#include "launch.cuh"
 #include "specdecode/host_device.h"
 #include "specdecode/tree.h"
 #include "tree.cuh"
@@ -67,8 +68,8 @@ __global__ void tree_paths_kernel(const int32_t* __restrict__ parents,
 cudaError_t tree_info(const int32_t* parents, int64_t batch, int n, int32_t* depth, uint32_t* mask,
                       int32_t* num_nodes, int32_t* status, cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
-  tree_info_kernel<<<static_cast<unsigned>(batch), kWarp, 0, stream>>>(parents, n, depth, mask,
-                                                                       num_nodes, status);
+  SD_LAUNCH(static_cast<unsigned>(batch), kWarp, 0, stream, tree_info_kernel)(
+      parents, n, depth, mask, num_nodes, status);
   return cudaGetLastError();
 }
 
@@ -78,8 +79,8 @@ cudaError_t tree_paths(const int32_t* parents, const int32_t* depth, const int32
   if (batch == 0) return cudaSuccess;
   constexpr int kThreads = 64;
   const unsigned blocks = static_cast<unsigned>((batch + kThreads - 1) / kThreads);
-  tree_paths_kernel<<<blocks, kThreads, 0, stream>>>(parents, depth, num_nodes, batch, n, max_paths,
-                                                     path_len, paths, num_paths, status);
+  SD_LAUNCH(blocks, kThreads, 0, stream, tree_paths_kernel)(
+      parents, depth, num_nodes, batch, n, max_paths, path_len, paths, num_paths, status);
   return cudaGetLastError();
 }
 

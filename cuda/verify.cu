@@ -1,5 +1,6 @@
 #include <cstdint>
 
+#include "launch.cuh"
 #include "specdecode/verify.h"
 #include "verify.cuh"
 
@@ -309,13 +310,14 @@ cudaError_t launch(const verify::VerifyArgs& args, void* workspace, int slices,
   const verify::FinalWorkspace ws = verify::final_workspace_at(workspace, args.batch, args.vocab);
   // More slices than chunks would only add empty blocks.
   const int used = slices < ws.chunks ? slices : ws.chunks;
-  walk_kernel<T, Q><<<grid_for(args.batch), kThreads, 0, stream>>>(args, ws);
+  SD_LAUNCH(grid_for(args.batch), kThreads, 0, stream, walk_kernel<T, Q>)(args, ws);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  final_sums_kernel<T, Q><<<grid_for(args.batch * used), kLaneThreads, 0, stream>>>(args, ws, used);
+  SD_LAUNCH(grid_for(args.batch * used), kLaneThreads, 0, stream, final_sums_kernel<T, Q>)(args, ws,
+                                                                                           used);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  final_pick_kernel<T, Q><<<grid_for(args.batch), kLaneThreads, 0, stream>>>(args, ws);
+  SD_LAUNCH(grid_for(args.batch), kLaneThreads, 0, stream, final_pick_kernel<T, Q>)(args, ws);
   return cudaGetLastError();
 }
 
