@@ -347,7 +347,14 @@ std::optional<Array> optional_array(py::handle obj, const char* name, bool writa
 }
 
 bool prepare_device(const Array& a) {
+#if defined(SPECDECODE_CUDA_EMULATED)
+  // The CUDA emulator's device is the host: host arrays take the CUDA path (cuda/emu).
+  if (a.device().kind == DeviceKind::kCPU) return true;
+  throw_value_error(std::string(a.name()) + ": is on " + a.device().str() +
+                    ", but the CUDA emulator (specdecode._cuda_emu) takes host arrays only");
+#else
   if (a.device().kind == DeviceKind::kCPU) return false;
+#endif
 #ifdef SPECDECODE_WITH_CUDA
   std::string err;
   if (!cuda::set_device(a.device().index, &err)) {

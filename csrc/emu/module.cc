@@ -1,0 +1,80 @@
+// specdecode._cuda_emu: the ops of specdecode._C with their CUDA path, run by the CUDA emulator
+// (cuda/emu) on host arrays. The same binding code as _C (csrc/*_ops.cc), compiled with
+// SPECDECODE_CUDA_EMULATED: every host array takes the CUDA dispatch, the launchers of cuda/ run
+// the kernels on the emulator. For tests of the CUDA kernels on machines with no GPU; see
+// docs/developing.md.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../array.h"
+#include "../registry.h"
+#include "cuda_runtime_api.h"
+#include "selftest.h"
+
+namespace py = pybind11;
+
+namespace {
+
+sd::emu::Schedule schedule_of(const std::string& name) {
+  if (name == "forward") return sd::emu::Schedule::kForward;
+  if (name == "reverse") return sd::emu::Schedule::kReverse;
+  if (name == "shuffled") return sd::emu::Schedule::kShuffled;
+  throw py::value_error("schedule: expected 'forward', 'reverse' or 'shuffled', got '" + name +
+                        "'");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cuda_emu, m) {
+  m.doc() = "specdecode's CUDA kernels on the CUDA emulator (internal; for tests)";
+  sd::register_tree_ops(m);
+  sd::register_attention_ops(m);
+  sd::register_verify_ops(m);
+
+  m.def(
+      "set_schedule",
+      [](const std::string& name, uint64_t seed) {
+        sd::emu::set_schedule(schedule_of(name), seed);
+      },
+      py::arg("schedule"), py::arg("seed") = 0,
+      "Order of the threads between barriers and of the blocks of a grid: 'forward', 'reverse' "
+      "or 'shuffled' (seeded).");
+  m.def(
+      "stats",
+      [] {
+        const sd::emu::Stats s = sd::emu::stats();
+        py::dict d;
+        d["launches"] = s.launches;
+        d["blocks"] = s.blocks;
+        d["threads"] = s.threads;
+        d["block_barriers"] = s.block_barriers;
+        d["warp_syncs"] = s.warp_syncs;
+        d["shuffles"] = s.shuffles;
+        return d;
+      },
+      "Counters since the last reset_stats(): launches, blocks, threads, released block "
+      "barriers, warp syncs and shuffles.");
+  m.def("reset_stats", &sd::emu::reset_stats);
+
+  m.def(
+      "_selftest_shuffles",
+      [](py::handle out_obj) {
+        sd::Array out = sd::Array::from_python(out_obj, "out", true);
+        out.expect_dtype({sd::DType::kInt32}).expect_shape({8 * 32}).expect_contiguous();
+        return sd::emu::selftest_shuffles(out.data<int32_t>());
+      },
+      "Shuffle cases on one warp into out (int32 [8 * 32], host); returns the case count.");
+  m.def(
+      "_selftest_neighbour",
+      [](py::handle out_obj, int threads, bool with_barrier) {
+        sd::Array out = sd::Array::from_python(out_obj, "out", true);
+        out.expect_dtype({sd::DType::kFloat32}).expect_shape({threads}).expect_contiguous();
+        return sd::emu::selftest_neighbour(out.data<float>(), threads, with_barrier);
+      },
+      "out[t] = shared[(t + 1) % threads] after each thread wrote shared[t] = t.");
+  m.def("_selftest_rule", &sd::emu::selftest_rule,
+        "Launches a kernel that breaks the named rule; returns the launch's error message.");
+}

@@ -1,0 +1,109 @@
+// The emulator's self-test kernels (selftest.h), written as CUDA and built against the emulator.
+#include "selftest.h"
+
+#include <cuda_runtime_api.h>
+
+#include <stdexcept>
+
+#include "launch.cuh"
+#include "runtime.cuh"
+
+namespace sd {
+namespace emu {
+namespace {
+
+constexpr int kShuffleCases = 8;
+
+__global__ void shuffles_kernel(int32_t* out) {
+  const int lane = static_cast<int>(threadIdx.x);
+  const int32_t v = 100 + lane;
+  int32_t r[kShuffleCases];
+  r[0] = __shfl_sync(0xffffffffu, v, 5);         // every lane reads lane 5
+  r[1] = __shfl_sync(0xffffffffu, v, lane + 1);  // lane 31 wraps to lane 0
+  r[2] = __shfl_sync(0xffffffffu, v, 3, 8);      // lane 3 of each group of 8
+  r[3] = __shfl_xor_sync(0xffffffffu, v, 1);     // pairs swap
+  r[4] = __shfl_xor_sync(0xffffffffu, v, 8, 8);  // a later group: the own value
+  r[5] = __shfl_up_sync(0xffffffffu, v, 2);      // lanes 0, 1: own value
+  r[6] = __shfl_down_sync(0xffffffffu, v, 3, 16);
+  // Only the 8 lanes of each group take part: a group's mask, as the verify kernels use it.
+  const unsigned group = 0xffu << (lane & 24);
+  r[7] = __shfl_sync(group, v, 7, 8);
+  for (int k = 0; k < kShuffleCases; ++k) out[k * 32 + lane] = r[k];
+}
+
+__global__ void neighbour_kernel(float* out, int threads, bool with_barrier) {
+  SD_DYNAMIC_SHARED(float, shared);
+  const int t = static_cast<int>(threadIdx.x);
+  shared[t] = static_cast<float>(t);
+  if (with_barrier) __syncthreads();
+  out[t] = shared[(t + 1) % threads];
+}
+
+__global__ void divergent_barrier_kernel() {
+  if (threadIdx.x < 16) return;
+  __syncthreads();
+}
+
+__global__ void exited_lane_kernel(int32_t* out) {
+  if (threadIdx.x == 0) return;
+  out[threadIdx.x] = __shfl_sync(0xffffffffu, static_cast<int32_t>(threadIdx.x), 1);
+}
+
+__global__ void foreign_mask_kernel(int32_t* out) {
+  // Lanes 0-15 name only their half, but read lane 20.
+  const unsigned half = threadIdx.x < 16 ? 0xffffu : 0xffff0000u;
+  out[threadIdx.x] = __shfl_sync(half, static_cast<int32_t>(threadIdx.x), 20);
+}
+
+__global__ void shared_memory_kernel(float* out) {
+  SD_DYNAMIC_SHARED(float, shared);
+  shared[threadIdx.x] = 1.0f;
+  out[threadIdx.x] = shared[threadIdx.x];
+}
+
+std::string launch_message(cudaError_t err) {
+  return err == cudaSuccess ? std::string() : cuda::error_string(err);
+}
+
+}  // namespace
+
+int selftest_shuffles(int32_t* out) {
+  SD_LAUNCH(1, 32, 0, nullptr, shuffles_kernel)(out);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(launch_message(err));
+  return kShuffleCases;
+}
+
+std::string selftest_neighbour(float* out, int threads, bool with_barrier) {
+  SD_LAUNCH(1, threads, threads * sizeof(float), nullptr, neighbour_kernel)(out, threads,
+                                                                            with_barrier);
+  return launch_message(cudaGetLastError());
+}
+
+std::string selftest_rule(const std::string& rule) {
+  int32_t ints[64] = {};
+  float floats[64] = {};
+  if (rule == "divergent_barrier") {
+    SD_LAUNCH(1, 64, 0, nullptr, divergent_barrier_kernel)();
+  } else if (rule == "exited_lane") {
+    SD_LAUNCH(1, 32, 0, nullptr, exited_lane_kernel)(ints);
+  } else if (rule == "foreign_mask") {
+    SD_LAUNCH(1, 32, 0, nullptr, foreign_mask_kernel)(ints);
+  } else if (rule == "shared_memory" || rule == "shared_memory_allowed") {
+    constexpr int kBytes = 64 * 1024;  // over the default 48 KiB
+    // The attribute stays set for the kernel: each call sets it (back to the default first).
+    const int allow = rule == "shared_memory_allowed" ? kBytes : 48 * 1024;
+    const cudaError_t err = cudaFuncSetAttribute(
+        shared_memory_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, allow);
+    if (err != cudaSuccess) return launch_message(err);
+    SD_LAUNCH(1, 64, kBytes, nullptr, shared_memory_kernel)(floats);
+  } else if (rule == "block_size") {
+    SD_LAUNCH(1, 2048, 0, nullptr, divergent_barrier_kernel)();
+  } else {
+    throw std::invalid_argument("unknown rule: " + rule);
+  }
+  return launch_message(cudaGetLastError());
+}
+
+}  // namespace emu
+}  // namespace sd

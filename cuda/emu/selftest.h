@@ -1,0 +1,25 @@
+// Kernels that check the CUDA emulator itself (tests/test_cuda_emu.py): the shuffle rules, a
+// barrier that orders shared memory, and the rules a kernel can break. Emulator build only.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace sd {
+namespace emu {
+
+// One warp of 32 threads; out[k * 32 + lane] is the result of shuffle case k (selftest.cc lists
+// them) for each lane, with every lane's operand 100 + lane. Returns the number of cases.
+int selftest_shuffles(int32_t* out);
+
+// A block of `threads` threads: thread t writes t to shared[t], then (with_barrier) waits at
+// __syncthreads, then out[t] = shared[(t + 1) % threads]. Shared memory starts as NaN.
+std::string selftest_neighbour(float* out, int threads, bool with_barrier);
+
+// A kernel that breaks `rule` ("divergent_barrier", "exited_lane", "foreign_mask",
+// "shared_memory", "shared_memory_allowed", "block_size"); returns the launch's error message
+// (empty when the launch succeeded).
+std::string selftest_rule(const std::string& rule);
+
+}  // namespace emu
+}  // namespace sd

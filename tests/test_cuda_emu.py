@@ -1,0 +1,380 @@
+"""The CUDA kernels of cuda/ on the CUDA emulator (specdecode._cuda_emu), against the CPU backend.
+
+No GPU is needed. ``_cuda_emu`` is the binding code of ``_C`` compiled with the emulator: every
+host array takes the CUDA dispatch (the same validation, workspace layout and launchers as on a
+GPU), and the kernels, compiled by the host compiler, run with one fiber per GPU thread
+(cuda/emu/cuda_runtime_api.h). The tests route the public ops through it (``on_emulator``) and
+compare with the CPU backend: verify and sample token for token (the issue's "CPU and CUDA
+produce identical tokens"), tree_attention within each dtype's tolerance against the CPU and the
+float64 reference, compact_kv, tree_info and tree_paths exactly. Thread orders between barriers
+(forward, reverse, shuffled) vary, so a kernel that reads shared memory without its barrier
+gives a different result under some order; the emulator's own checks (divergent barriers,
+shuffles naming exited lanes, launch limits) fail the launch with a message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+from reference_attention import compact_kv_ref, tree_attention_ref
+from reference_tree import random_parents as random_tree_parents
+from specdecode._ops import attention as attention_module
+from specdecode._ops import tree as tree_module
+from specdecode._ops import verify as verify_module
+from test_ops_attention import TOL, make_case
+from test_ops_attention import random_parents as random_attention_parents
+from test_ops_verify import final_draw_cases, seeds
+
+from specdecode import ops
+
+_BUILT_BY_DEFAULT = sys.platform.startswith("linux") and os.environ.get(
+    "SPECDECODE_CUDA_EMU", "ON"
+).upper() not in ("OFF", "0", "FALSE")
+try:
+    from specdecode import _cuda_emu as emu
+except ImportError:
+    if _BUILT_BY_DEFAULT:
+        raise  # a default Linux build has the module: its absence is a build failure
+    emu = None
+
+pytestmark = pytest.mark.skipif(
+    emu is None,
+    reason="specdecode._cuda_emu is built on Linux only, unless SPECDECODE_CUDA_EMU=OFF",
+)
+
+SCHEDULES = ["forward", "reverse", "shuffled"]
+
+
+class EmulatedCuda:
+    """Stands in for ``_C`` in the ops modules: the same functions on ``_cuda_emu``, with the
+    device buffers the ops allocate only for CUDA inputs (verify's workspace and final-draw
+    slices, tree_attention's split partials) allocated on the host."""
+
+    def __init__(self, slices: int, splits: int):
+        self.slices = slices
+        self.splits = splits
+
+    def verify(self, *args):
+        args = list(args)
+        if args[-2] is None:  # workspace
+            target = args[0]
+            size = emu.verify_workspace_bytes(target.shape[0], target.shape[-1])
+            args[-2] = torch.empty((size,), dtype=torch.uint8)
+            args[-1] = self.slices
+        return emu.verify(*args)
+
+    def tree_attention(self, q, k, v, lens, mask, out, lse, status, scale, part_o, part_lse, s):
+        if part_o is None and k.dim() == 4:
+            b, t, hq, d = q.shape
+            part_o = torch.empty((self.splits, b, t, hq, d))
+            part_lse = torch.empty((self.splits, b, t, hq))
+        return emu.tree_attention(q, k, v, lens, mask, out, lse, status, scale, part_o, part_lse, s)
+
+    def __getattr__(self, name):
+        return getattr(emu, name)
+
+
+@contextlib.contextmanager
+def on_emulator(schedule: str = "forward", seed: int = 0, slices: int = 3, splits: int = 2):
+    """Runs the ops inside the block on the emulated CUDA path; checks that kernels ran."""
+    native = EmulatedCuda(slices, splits)
+    saved = [m._C for m in (verify_module, attention_module, tree_module)]
+    for m in (verify_module, attention_module, tree_module):
+        m._C = native
+    emu.set_schedule(schedule, seed)
+    launches = emu.stats()["launches"]
+    try:
+        yield
+    finally:
+        for m, c in zip((verify_module, attention_module, tree_module), saved):
+            m._C = c
+        emu.set_schedule("forward", 0)
+    assert emu.stats()["launches"] > launches, "no kernel ran on the emulator"
+
+
+# ---- the emulator itself -------------------------------------------------------------------
+
+
+def cuda_shuffle_source(kind: str, lane: int, arg: int, width: int) -> int:
+    """The lane a shuffle reads, by the CUDA programming guide's rules (own lane where the rules
+    return the caller's value)."""
+    group = lane - lane % width
+    if kind == "idx":
+        return group + arg % width
+    if kind == "xor":
+        src = lane ^ arg
+        return lane if src >= group + width else src
+    if kind == "up":
+        return lane if lane - arg < group else lane - arg
+    return lane if lane + arg >= group + width else lane + arg  # down
+
+
+def test_shuffles_follow_the_cuda_rules():
+    out = torch.zeros(8 * 32, dtype=torch.int32)
+    assert emu._selftest_shuffles(out) == 8
+    got = out.view(8, 32).tolist()
+    cases = [
+        ("idx", lambda lane: 5, 32),
+        ("idx", lambda lane: lane + 1, 32),
+        ("idx", lambda lane: 3, 8),
+        ("xor", lambda lane: 1, 32),
+        ("xor", lambda lane: 8, 8),
+        ("up", lambda lane: 2, 32),
+        ("down", lambda lane: 3, 16),
+        ("idx", lambda lane: 7, 8),
+    ]
+    for k, (kind, arg, width) in enumerate(cases):
+        want = [100 + cuda_shuffle_source(kind, lane, arg(lane), width) for lane in range(32)]
+        assert got[k] == want, (k, kind)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_barrier_orders_shared_memory_and_its_absence_shows(schedule):
+    """Each thread writes its slot, then reads its neighbour's. With the barrier every read sees
+    the write under every order; without it some reads see shared memory as it started (NaN)."""
+    emu.set_schedule(schedule, 7)
+    try:
+        for threads in (32, 256):
+            out = torch.zeros(threads)
+            assert emu._selftest_neighbour(out, threads, True) == ""
+            want = [float((t + 1) % threads) for t in range(threads)]
+            assert out.tolist() == want
+            out = torch.zeros(threads)
+            assert emu._selftest_neighbour(out, threads, False) == ""
+            assert torch.isnan(out).any() and out.tolist() != want
+    finally:
+        emu.set_schedule("forward", 0)
+
+
+@pytest.mark.parametrize(
+    "rule,message",
+    [
+        (
+            "divergent_barrier",
+            "48 threads wait at __syncthreads that 16 threads of the block exited",
+        ),
+        ("exited_lane", "names lane 0, which has exited"),
+        ("foreign_mask", "reads lane 20 in a shuffle whose mask does not name it"),
+        ("shared_memory", "65536 bytes of dynamic shared memory, but the kernel allows 49152"),
+        ("block_size", "invalid launch configuration: grid (1, 1, 1), block (2048, 1, 1)"),
+    ],
+)
+def test_broken_rules_fail_the_launch_with_a_message(rule, message):
+    assert message in emu._selftest_rule(rule)
+    # The emulator recovers: the next launch runs.
+    assert emu._selftest_rule("shared_memory_allowed") == ""
+
+
+def test_stats_count_the_work():
+    emu.reset_stats()
+    out = torch.zeros(64)
+    emu._selftest_neighbour(out, 64, True)
+    s = emu.stats()
+    assert s["launches"] == 1 and s["blocks"] == 1 and s["threads"] == 64
+    assert s["block_barriers"] == 1 and s["shuffles"] == 0
+    with pytest.raises(ValueError, match="schedule"):
+        emu.set_schedule("sideways")
+
+
+# ---- verify and sample ---------------------------------------------------------------------
+
+
+def assert_same_result(cpu, emulated, what):
+    for name, x, y in zip(cpu._fields, cpu, emulated):
+        assert torch.equal(x, y), (what, name, x, y)
+
+
+@pytest.mark.parametrize("v", [50, 3001, 4352])
+@pytest.mark.parametrize("slices", [1, 3, 64])
+def test_verify_final_draws_equal_the_cpu(v, slices):
+    """Every kind of final draw (bonus, residual corrections at each level, p_L, the row without
+    the tried tokens, greedy, relaxed, typical, top-k acceptance, bad draft rows), with the
+    vocabulary's chunks cut into `slices` slices (one thread block each)."""
+    b = 12
+    for i, (target, tokens, kw) in enumerate(final_draw_cases(v)):
+        cpu = ops.verify(target, tokens, seed=seeds(b), offset=i, **kw)
+        with on_emulator(slices=slices):
+            got = ops.verify(target, tokens, seed=seeds(b), offset=i, **kw)
+        assert_same_result(cpu, got, (v, i, sorted(kw)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_verify_equals_the_cpu_token_for_token(dtype):
+    """The cases of the GPU test (tests/test_ops_verify.py::test_cuda_matches_cpu_token_for_token)
+    at vocabularies that end in a partial chunk, one of the issue's large ones included."""
+    gen = torch.Generator().manual_seed(110)
+    for v, b, n in ((50, 64, 6), (3001, 8, 5), (50257, 3, 6), (128256, 1, 5)):
+        logits = (torch.randn(b, n, v, generator=gen) * 3).to(dtype)
+        q = torch.softmax(torch.randn(b, n, v, generator=gen) * 3, -1).to(dtype)
+        tokens = torch.randint(0, v, (b, n), generator=gen)
+        parents = torch.tensor([-1, 0, 0] + list(range(1, n - 2)), dtype=torch.int32)
+        parents = parents.expand(b, n).contiguous()
+        allow = torch.zeros(b, n, dtype=torch.bool)
+        allow[: (b + 1) // 2] = True
+        bad_q = q.clone()
+        bad_q[0, 0, v // 2] = float("nan")
+        for kw in (
+            dict(),
+            dict(draft_probs=q),
+            dict(draft_probs=q, parents=parents, top_k=20, top_p=0.9, temperature=0.7),
+            dict(parents=parents, method="typical"),
+            dict(method="greedy"),
+            dict(draft_probs=q, method="relaxed", eps=0.2),
+            dict(draft_probs=q, method="relaxed", eps=0.2, correction="target"),
+            dict(parents=parents, top_p=0.9),
+            dict(parents=parents, allow=allow),
+            dict(draft_probs=torch.ones_like(q), parents=parents),
+            dict(draft_probs=bad_q),
+            dict(draft_probs=q, temperature=torch.linspace(0.0, 1.5, b)),
+        ):
+            cpu = ops.verify(logits, tokens, seed=seeds(b), offset=3, **kw)
+            with on_emulator():
+                got = ops.verify(logits, tokens, seed=seeds(b), offset=3, **kw)
+            assert_same_result(cpu, got, (v, dtype, sorted(kw)))
+        row = logits[:, 0].contiguous()
+        for args in ((0.8, 30, 0.95), (1.0, 0, 1.0), (0.0, 0, 1.0)):
+            cpu = ops.sample(row, *args, seed=seeds(b), offset=1)
+            with on_emulator():
+                got = ops.sample(row, *args, seed=seeds(b), offset=1)
+            assert torch.equal(cpu.tokens, got.tokens) and torch.equal(cpu.status, got.status)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_verify_is_independent_of_the_thread_order(schedule):
+    gen = torch.Generator().manual_seed(5)
+    b, n, v = 16, 7, 2000
+    logits = torch.randn(b, n, v, generator=gen) * 2
+    q = torch.softmax(torch.randn(b, n, v, generator=gen) * 2, -1)
+    tokens = torch.randint(0, v, (b, n), generator=gen)
+    tree = torch.tensor([-1, 0, 0, 1, 1, 2, 2], dtype=torch.int32).expand(b, n).contiguous()
+    for kw in (dict(draft_probs=q, parents=tree), dict(top_k=9, top_p=0.8), dict(parents=tree)):
+        cpu = ops.verify(logits, tokens, seed=seeds(b), offset=1, **kw)
+        with on_emulator(schedule, seed=11, slices=4):
+            got = ops.verify(logits, tokens, seed=seeds(b), offset=1, **kw)
+        assert_same_result(cpu, got, (schedule, sorted(kw)))
+
+
+def test_verify_non_finite_rows_padding_and_validation():
+    v = 1024
+    logits = torch.randn(6, 2, v, generator=torch.Generator().manual_seed(4))
+    logits[0, 0, 300] = float("inf")
+    logits[1, 1, 700] = float("nan")
+    logits[2, 0, 256:768] = -float("inf")
+    logits[3, 0, :] = -float("inf")
+    tokens = torch.ones(6, 2, dtype=torch.int32)
+    allow = torch.ones(6, 2, dtype=torch.bool)
+    cpu = ops.verify(logits, tokens, allow=allow, seed=0, offset=0)
+    with on_emulator():
+        got = ops.verify(logits, tokens, allow=allow, seed=0, offset=0)
+    assert_same_result(cpu, got, "non-finite")
+    assert got.status.tolist()[:4] == [1, 1, 0, 2]
+    logits = torch.randn(3, 5, 10)
+    parents = torch.tensor(
+        [[-1, 0, 0, -1, -1], [-1, 0, 1, 2, -1], [-1, 0, 0, 1, 1]], dtype=torch.int32
+    )
+    tokens = torch.tensor([[0, 1, 2, -1, -1], [0, 1, 2, 3, -1], [0, 1, 2, 3, 4]])
+    allow = torch.ones(3, 5, dtype=torch.bool)
+    cpu = ops.verify(logits, tokens, parents=parents, allow=allow, seed=0, offset=0)
+    with on_emulator():
+        got = ops.verify(logits, tokens, parents=parents, allow=allow, seed=0, offset=0)
+        with pytest.raises(ValueError, match="tokens"):
+            ops.verify(logits, tokens + 10, parents=parents, seed=0, offset=0)
+    assert_same_result(cpu, got, "padding")
+
+
+# ---- tree attention and KV compaction ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("t,prefix,splits", [(1, 0, 1), (1, 700, 3), (7, 300, 2), (40, 90, 1)])
+def test_tree_attention_equals_the_cpu_and_reference(dtype, d, t, prefix, splits):
+    """GQA 4 (8 query heads, 2 KV heads), strided caches, prefixes of different lengths per row;
+    T = 40 makes 160 query rows per KV head, several thread blocks of 32 rows; splits > 1 runs
+    the merge kernel, and a split longer than some rows' prefix is empty."""
+    q, k, v, lens, gen = make_case(2, t, 8, 2, d, [prefix, prefix // 3], dtype, strided=True)
+    mask = ops.tree_info(random_attention_parents(2, t, gen)).mask
+    for m in (mask, None):
+        cpu_out, cpu_lse = ops.tree_attention(q, k, v, lens, m, return_lse=True)
+        with on_emulator(splits=splits):
+            out, lse = ops.tree_attention(q, k, v, lens, m, return_lse=True)
+        ref_out, _ = tree_attention_ref(q, k, v, lens, m)
+        assert (out.double() - ref_out).abs().max().item() <= TOL[dtype]
+        assert (out.float() - cpu_out.float()).abs().max().item() <= TOL[dtype]
+        fin = torch.isfinite(cpu_lse)
+        assert torch.equal(torch.isfinite(lse), fin)
+        assert (lse - cpu_lse)[fin].abs().max().item() < 1e-3
+
+
+def test_tree_attention_of_a_256_node_tree():
+    """T = 256: eight mask words per row, 32 thread blocks of rows per KV head, a tree part of
+    eight key tiles."""
+    q, k, v, lens, gen = make_case(2, 256, 8, 2, 128, [33, 11], torch.bfloat16, strided=True)
+    mask = ops.tree_info(random_attention_parents(2, 256, gen)).mask
+    cpu_out, cpu_lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+    with on_emulator(splits=2):
+        out, lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+    ref_out, _ = tree_attention_ref(q, k, v, lens, mask)
+    assert (out.double() - ref_out).abs().max().item() <= TOL[torch.bfloat16]
+    assert (out.float() - cpu_out.float()).abs().max().item() <= TOL[torch.bfloat16]
+    assert (lse - cpu_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tree_attention_is_independent_of_the_thread_order(schedule):
+    q, k, v, lens, gen = make_case(3, 9, 8, 2, 64, [70, 33, 0], torch.float32, seed=3)
+    mask = ops.tree_info(random_attention_parents(3, 9, gen)).mask
+    cpu_out, cpu_lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+    with on_emulator(schedule, seed=2, splits=3):
+        out, lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+    assert (out - cpu_out).abs().max().item() <= TOL[torch.float32]
+    assert (lse - cpu_lse).abs().max().item() < 1e-4
+
+
+def test_tree_attention_rejects_a_bad_prefix():
+    q, k, v, _, _ = make_case(2, 4, 4, 2, 64, [10, 3], seed=4)
+    with on_emulator(), pytest.raises(ValueError, match="prefix"):
+        ops.tree_attention(q, k, v, torch.tensor([100, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compact_kv_equals_the_reference_with_overlapping_moves(dtype):
+    _, k, v, _, _ = make_case(3, 8, 4, 2, 64, [10, 3, 0], dtype, strided=True, seed=41)
+    lens = torch.tensor([10, 3, 0], dtype=torch.int32)
+    # Row 0 moves nodes onto slots that later moves read from (overlap); row 2 keeps its order.
+    path = torch.tensor([[0, 2, 3, 5], [0, 1, 4, -1], [0, 1, 2, 3]], dtype=torch.int32)
+    acc = torch.tensor([4, 3, 4], dtype=torch.int32)
+    ref_k, ref_v, ref_lens = compact_kv_ref(k, v, lens, path, acc)
+    with on_emulator():
+        new_lens = ops.compact_kv(k, v, lens, path, acc)
+    assert torch.equal(new_lens, ref_lens)
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+    before = (k.clone(), v.clone())
+    bad = torch.tensor([[0, 2, 2, 5], [0, 1, 4, -1], [0, 1, 2, 3]], dtype=torch.int32)
+    with on_emulator(), pytest.raises(ValueError, match="strictly increasing"):
+        ops.compact_kv(k, v, lens, bad, acc)
+    # All or nothing: an invalid row cancels every move.
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])
+
+
+# ---- tree_info and tree_paths --------------------------------------------------------------
+
+
+def test_tree_info_and_paths_equal_the_cpu():
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 5, 32, 33, 100, 1024):
+        parents = random_tree_parents(g, batch=9, n=n, pad_max=n // 2)
+        cpu = ops.tree_info(parents)
+        with on_emulator():
+            got = ops.tree_info(parents)
+            paths = ops.tree_paths(parents)
+        for a, b in zip(cpu, got):
+            assert torch.equal(a, b)
+        assert torch.equal(ops.tree_paths(parents), paths)
+    bad = torch.tensor([[-1, 0], [-1, 1]], dtype=torch.int32)
+    with on_emulator(), pytest.raises(ValueError, match="batch row 1"):
+        ops.tree_info(bad)
