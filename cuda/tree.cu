@@ -15,9 +15,10 @@ constexpr int kWarp = 32;
 // with the shared fill_tree_row loop (word columns never depend on each other).
 __global__ void tree_info_kernel(const int32_t* __restrict__ parents, int n, int32_t* depth,
                                  uint32_t* mask, int32_t* num_nodes, int32_t* status) {
-  __shared__ int32_t row[kMaxTreeNodes];
-  __shared__ int shared_count;
-  __shared__ int shared_err;
+  using Row = int32_t[kMaxTreeNodes];
+  SD_SHARED(Row, row);
+  SD_SHARED(int, shared_count);
+  SD_SHARED(int, shared_err);
   const int64_t b = blockIdx.x;
   const int lane = threadIdx.x;
   for (int i = lane; i < n; i += kWarp) row[i] = parents[b * n + i];

@@ -194,7 +194,7 @@ class BlockExec {
 template <class T, class Q>
 __global__ void __launch_bounds__(kThreads)
     walk_kernel(verify::VerifyArgs args, verify::FinalWorkspace ws) {
-  __shared__ BlockShared shared;
+  SD_SHARED(BlockShared, shared);
   BlockExec ex(&shared);
   for (int64_t b = blockIdx.x; b < args.batch; b += gridDim.x) {
     verify::FinalDraw fd;
@@ -269,7 +269,7 @@ __device__ void load_draw(const verify::FinalDraw* src, verify::FinalDraw* dst) 
 template <class T, class Q>
 __global__ void __launch_bounds__(kLaneThreads)
     final_sums_kernel(verify::VerifyArgs args, verify::FinalWorkspace ws, int slices) {
-  __shared__ verify::FinalDraw fd;
+  SD_SHARED(verify::FinalDraw, fd);
   LaneExec ex;
   const int64_t items = args.batch * slices;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kLaneThreads)
 template <class T, class Q>
 __global__ void __launch_bounds__(kLaneThreads)
     final_pick_kernel(verify::VerifyArgs args, verify::FinalWorkspace ws) {
-  __shared__ verify::FinalDraw fd;
+  SD_SHARED(verify::FinalDraw, fd);
   LaneExec ex;
   for (int64_t b = blockIdx.x; b < args.batch; b += gridDim.x) {
     load_draw(ws.draws + b, &fd);

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -167,6 +169,22 @@ def test_broken_rules_fail_the_launch_with_a_message(rule, message):
     assert message in emu._selftest_rule(rule)
     # The emulator recovers: the next launch runs.
     assert emu._selftest_rule("shared_memory_allowed") == ""
+
+
+def test_shared_memory_starts_undefined_in_every_block():
+    out = torch.zeros(2)
+    assert emu._selftest_static_shared(out) == ""
+    assert torch.isnan(out).all(), out  # not 1.0, the first block's write
+    out = torch.zeros(64)
+    assert emu._selftest_neighbour(out, 64, False) == ""
+    assert torch.isnan(out).any()
+
+
+def test_a_write_past_dynamic_shared_memory_faults():
+    code = "import specdecode._cuda_emu as e; e._selftest_shared_overflow(); print('survived')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stdout, proc.stderr)
+    assert "survived" not in proc.stdout
 
 
 def test_stats_count_the_work():

@@ -75,6 +75,16 @@ PYBIND11_MODULE(_cuda_emu, m) {
         return sd::emu::selftest_neighbour(out.data<float>(), threads, with_barrier);
       },
       "out[t] = shared[(t + 1) % threads] after each thread wrote shared[t] = t.");
+  m.def(
+      "_selftest_static_shared",
+      [](py::handle out_obj) {
+        sd::Array out = sd::Array::from_python(out_obj, "out", true);
+        out.expect_dtype({sd::DType::kFloat32}).expect_shape({2}).expect_contiguous();
+        return sd::emu::selftest_static_shared(out.data<float>());
+      },
+      "out[b] = a static shared float as block b found it (before writing it).");
+  m.def("_selftest_shared_overflow", &sd::emu::selftest_shared_overflow,
+        "Writes one float past a block's dynamic shared memory: faults (run it in a child).");
   m.def("_selftest_rule", &sd::emu::selftest_rule,
         "Launches a kernel that breaks the named rule; returns the launch's error message.");
 }

@@ -20,10 +20,12 @@
 // sd::emu::set_schedule: forward, reverse or shuffled, so a read of shared data that lacks its
 // barrier sees a different writer under some order and gives a different result.
 //
+// Shared memory starts every block as 0xff bytes (NaN as float), static and dynamic alike, and
+// the dynamic part ends at a page the process may not touch, so a write past it faults.
+//
 // Not emulated: real parallelism between blocks (they run one at a time, so an inter-block race
 // is not seen), the weak memory model, timing, and device memory as a separate address space
-// (device pointers are host pointers). Static __shared__ variables are function statics: their
-// contents survive from one block to the next, where the GPU leaves them undefined.
+// (device pointers are host pointers).
 #pragma once
 
 #include <cmath>
@@ -42,8 +44,9 @@
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(...)
-// One variable per kernel instantiation, shared by the threads of the block that runs.
-#define __shared__ static
+// Static shared memory is declared with SD_SHARED (cuda/launch.cuh), which the emulator maps to
+// block_shared below; a bare __shared__ would be a function static that keeps its contents from
+// block to block, which is why it is left undefined here.
 
 enum cudaError_t {
   cudaSuccess = 0,
@@ -123,6 +126,19 @@ struct Launch {
 template <class... P>
 Launch<P...> launch(dim3 grid, dim3 block, size_t smem, cudaStream_t, void (*kernel)(P...)) {
   return Launch<P...>{kernel, grid, block, smem};
+}
+
+// Registers [p, p + bytes) as static shared memory, filled with 0xff before every block.
+void register_shared(void* p, size_t bytes);
+
+// The storage of SD_SHARED(T, name) at declaration site `Site`: one object per (type, site),
+// shared by the threads of the running block (blocks run one at a time).
+template <class T, int Site>
+T& block_shared() {
+  static T storage;
+  static const bool registered = (register_shared(&storage, sizeof(T)), true);
+  (void)registered;
+  return storage;
 }
 
 template <class T>

@@ -105,8 +105,14 @@ struct Emulator {
   Context scheduler;
   Fiber* running = nullptr;
   const std::function<void()>* body = nullptr;
-  std::vector<unsigned char> dynamic;
+  // Dynamic shared memory: `dynamic_bytes` bytes that end where a PROT_NONE page begins.
+  char* dynamic_map = nullptr;
+  size_t dynamic_map_bytes = 0;
+  char* dynamic = nullptr;
+  size_t dynamic_bytes = 0;
   std::string failure;  // set by the rule a block broke
+  // Static shared memory (SD_SHARED) of every kernel that has run: poisoned before each block.
+  std::vector<std::pair<void*, size_t>> shared;
 };
 
 Emulator& the_emulator() {
@@ -201,6 +207,33 @@ Stack& stack_at(Emulator& e, size_t i) {
     e.stacks.push_back(Stack{static_cast<char*>(p), bytes});
   }
   return e.stacks[i];
+}
+
+// Points e.dynamic at `bytes` bytes (16-byte aligned, as CUDA aligns dynamic shared memory)
+// that end at most 15 bytes before a page the process may not touch.
+void map_dynamic_shared(Emulator& e, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t rounded = (bytes + 15) / 16 * 16;
+  const size_t need = (rounded + page - 1) / page * page + page;
+  if (e.dynamic_map_bytes < need) {
+    if (e.dynamic_map) munmap(e.dynamic_map, e.dynamic_map_bytes);
+    void* p = mmap(nullptr, need, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      std::fprintf(stderr, "specdecode CUDA emulator: cannot map shared memory\n");
+      std::abort();
+    }
+    e.dynamic_map = static_cast<char*>(p);
+    e.dynamic_map_bytes = need;
+    mprotect(e.dynamic_map + need - page, page, PROT_NONE);
+  }
+  e.dynamic = e.dynamic_map + e.dynamic_map_bytes - page - rounded;
+  e.dynamic_bytes = bytes;
+}
+
+// Shared memory as the GPU leaves it at a block's start: undefined, here 0xff bytes.
+void poison_shared(Emulator& e) {
+  if (e.dynamic_bytes) std::memset(e.dynamic, 0xff, e.dynamic_bytes);
+  for (const auto& region : e.shared) std::memset(region.first, 0xff, region.second);
 }
 
 uint3 thread_index(unsigned linear, dim3 block) {
@@ -305,7 +338,7 @@ bool run_block(Emulator& e, uint3 block_idx, dim3 grid, dim3 block) {
     f.ts = ThreadState{thread_index(static_cast<unsigned>(i), block), block_idx, block, grid};
     init_context(f, stack_at(e, static_cast<size_t>(i)));
   }
-  std::fill(e.dynamic.begin(), e.dynamic.end(), static_cast<unsigned char>(0xff));
+  poison_shared(e);
   std::vector<int> order;
   for (;;) {
     order_of(e, &order, n);
@@ -358,6 +391,13 @@ cudaError_t set_error(cudaError_t code, const std::string& message) {
 
 const ThreadState& current() { return running_fiber("a built-in variable").ts; }
 
+// Called by the first thread that declares a variable, inside run_grid (the mutex is held). The
+// variable is poisoned now too: this block started before it was known.
+void register_shared(void* p, size_t bytes) {
+  the_emulator().shared.emplace_back(p, bytes);
+  std::memset(p, 0xff, bytes);
+}
+
 void sync_threads() {
   Fiber& f = running_fiber("__syncthreads");
   f.wait = Wait::kBlock;
@@ -391,7 +431,7 @@ uint64_t shuffle(unsigned mask, uint64_t bits, ShuffleKind kind, int arg, int wi
 void* dynamic_shared() {
   running_fiber("dynamic shared memory");
   Emulator& e = the_emulator();
-  return e.dynamic.empty() ? nullptr : e.dynamic.data();
+  return e.dynamic_bytes ? e.dynamic : nullptr;
 }
 
 cudaError_t run_grid(const void* kernel, dim3 grid, dim3 block, size_t smem,
@@ -416,7 +456,7 @@ cudaError_t run_grid(const void* kernel, dim3 grid, dim3 block, size_t smem,
   }
   ++e.stats.launches;
   e.body = &body;
-  e.dynamic.assign(smem, 0);
+  map_dynamic_shared(e, smem);
   const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
   std::vector<uint64_t> order(blocks);
   std::iota(order.begin(), order.end(), uint64_t{0});

@@ -61,6 +61,17 @@ __global__ void shared_memory_kernel(float* out) {
   out[threadIdx.x] = shared[threadIdx.x];
 }
 
+__global__ void static_shared_kernel(float* out) {
+  SD_SHARED(float, x);
+  out[blockIdx.x] = x;
+  x = 1.0f + static_cast<float>(blockIdx.x);
+}
+
+__global__ void shared_overflow_kernel(int floats) {
+  SD_DYNAMIC_SHARED(float, shared);
+  shared[floats] = 1.0f;
+}
+
 std::string launch_message(cudaError_t err) {
   return err == cudaSuccess ? std::string() : cuda::error_string(err);
 }
@@ -77,6 +88,17 @@ int selftest_shuffles(int32_t* out) {
 std::string selftest_neighbour(float* out, int threads, bool with_barrier) {
   SD_LAUNCH(1, threads, threads * sizeof(float), nullptr, neighbour_kernel)(out, threads,
                                                                             with_barrier);
+  return launch_message(cudaGetLastError());
+}
+
+std::string selftest_static_shared(float* out) {
+  SD_LAUNCH(2, 1, 0, nullptr, static_shared_kernel)(out);
+  return launch_message(cudaGetLastError());
+}
+
+std::string selftest_shared_overflow() {
+  constexpr int kFloats = 16;
+  SD_LAUNCH(1, 1, kFloats * sizeof(float), nullptr, shared_overflow_kernel)(kFloats);
   return launch_message(cudaGetLastError());
 }
 

@@ -16,6 +16,14 @@ int selftest_shuffles(int32_t* out);
 // __syncthreads, then out[t] = shared[(t + 1) % threads]. Shared memory starts as NaN.
 std::string selftest_neighbour(float* out, int threads, bool with_barrier);
 
+// Two blocks of one thread, each reading a static shared float before writing it: out[b] is what
+// block b read (NaN: shared memory starts undefined, not with the previous block's value).
+std::string selftest_static_shared(float* out);
+
+// A block that writes one float past its 64 bytes of dynamic shared memory: the process faults
+// (SIGSEGV) instead of corrupting memory. Tests run it in a child process.
+std::string selftest_shared_overflow();
+
 // A kernel that breaks `rule` ("divergent_barrier", "exited_lane", "foreign_mask",
 // "shared_memory", "shared_memory_allowed", "block_size"); returns the launch's error message
 // (empty when the launch succeeded).
