@@ -32,7 +32,7 @@ from specdecode._ops import verify as verify_module
 from specdecode.drafters import CachebackDrafter, ModelDrafter
 from test_ops_attention import TOL, make_case
 from test_ops_attention import random_parents as random_attention_parents
-from test_ops_verify import final_draw_cases, seeds
+from test_ops_verify import backend_parity_cases, final_draw_cases, seeds
 
 from specdecode import SpeculativeDecoder, ops
 
@@ -230,32 +230,11 @@ def test_verify_final_draws_equal_the_cpu(v, slices):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_verify_equals_the_cpu_token_for_token(dtype):
     """The cases of the GPU test (tests/test_ops_verify.py::test_cuda_matches_cpu_token_for_token)
-    at vocabularies that end in a partial chunk, one of the issue's large ones included."""
+    at smaller vocabularies, most ending in a partial chunk, and one of the issue's large ones."""
     gen = torch.Generator().manual_seed(110)
     for v, b, n in ((50, 64, 6), (3001, 8, 5), (50257, 3, 6), (128256, 1, 5)):
-        logits = (torch.randn(b, n, v, generator=gen) * 3).to(dtype)
-        q = torch.softmax(torch.randn(b, n, v, generator=gen) * 3, -1).to(dtype)
-        tokens = torch.randint(0, v, (b, n), generator=gen)
-        parents = torch.tensor([-1, 0, 0] + list(range(1, n - 2)), dtype=torch.int32)
-        parents = parents.expand(b, n).contiguous()
-        allow = torch.zeros(b, n, dtype=torch.bool)
-        allow[: (b + 1) // 2] = True
-        bad_q = q.clone()
-        bad_q[0, 0, v // 2] = float("nan")
-        for kw in (
-            dict(),
-            dict(draft_probs=q),
-            dict(draft_probs=q, parents=parents, top_k=20, top_p=0.9, temperature=0.7),
-            dict(parents=parents, method="typical"),
-            dict(method="greedy"),
-            dict(draft_probs=q, method="relaxed", eps=0.2),
-            dict(draft_probs=q, method="relaxed", eps=0.2, correction="target"),
-            dict(parents=parents, top_p=0.9),
-            dict(parents=parents, allow=allow),
-            dict(draft_probs=torch.ones_like(q), parents=parents),
-            dict(draft_probs=bad_q),
-            dict(draft_probs=q, temperature=torch.linspace(0.0, 1.5, b)),
-        ):
+        logits, tokens, cases = backend_parity_cases(gen, v, b, n, dtype)
+        for kw in cases:
             cpu = ops.verify(logits, tokens, seed=seeds(b), offset=3, **kw)
             with on_emulator():
                 got = ops.verify(logits, tokens, seed=seeds(b), offset=3, **kw)

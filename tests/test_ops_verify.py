@@ -1235,6 +1235,37 @@ def test_top_p_search_equals_bisection(monkeypatch, v):
 # ---- CUDA --------------------------------------------------------------------------------------
 
 
+def backend_parity_cases(gen: torch.Generator, v: int, b: int, n: int, dtype: torch.dtype):
+    """(logits, tokens, kwargs list) that a second backend must verify with the CPU's tokens:
+    every method, draft kind and filter, trees, leaves reached through ``allow`` (the bonus
+    token), q = 1 everywhere (every residual empty) and a NaN in q met by the final residual's
+    sums. Shared by the GPU test below and tests/test_cuda_emu.py."""
+    logits = (torch.randn(b, n, v, generator=gen) * 3).to(dtype)
+    q = torch.softmax(torch.randn(b, n, v, generator=gen) * 3, -1).to(dtype)
+    tokens = torch.randint(0, v, (b, n), generator=gen)
+    parents = torch.tensor([-1, 0, 0] + list(range(1, n - 2)), dtype=torch.int32)
+    parents = parents.expand(b, n).contiguous()
+    allow = torch.zeros(b, n, dtype=torch.bool)
+    allow[: (b + 1) // 2] = True  # these rows reach a leaf: the bonus token
+    bad_q = q.clone()
+    bad_q[0, 0, v // 2] = float("nan")  # met by the final residual's sums
+    cases = [
+        dict(),
+        dict(draft_probs=q),
+        dict(draft_probs=q, parents=parents, top_k=20, top_p=0.9, temperature=0.7),
+        dict(parents=parents, method="typical"),
+        dict(method="greedy"),
+        dict(draft_probs=q, method="relaxed", eps=0.2),
+        dict(draft_probs=q, method="relaxed", eps=0.2, correction="target"),
+        dict(parents=parents, top_p=0.9),
+        dict(parents=parents, allow=allow),
+        dict(draft_probs=torch.ones_like(q), parents=parents),
+        dict(draft_probs=bad_q),
+        dict(draft_probs=q, temperature=torch.linspace(0.0, 1.5, b)),  # greedy rows among them
+    ]
+    return logits, tokens, cases
+
+
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1243,28 +1274,8 @@ def test_cuda_matches_cpu_token_for_token(dtype):
     # Small batches with large vocabularies take the final draw's sums in many slices (several
     # blocks per sequence); V = 151936 and 50257 end in a partial chunk.
     for v, b, n in ((50, 256, 6), (32000, 8, 5), (151936, 2, 4), (128256, 1, 5), (50257, 3, 6)):
-        logits = (torch.randn(b, n, v, generator=gen) * 3).to(dtype)
-        q = torch.softmax(torch.randn(b, n, v, generator=gen) * 3, -1).to(dtype)
-        tokens = torch.randint(0, v, (b, n), generator=gen)
-        parents = torch.tensor([-1, 0, 0] + list(range(1, n - 2)), dtype=torch.int32)
-        parents = parents.expand(b, n).contiguous()
-        allow = torch.zeros(b, n, dtype=torch.bool)
-        allow[: (b + 1) // 2] = True  # these rows reach a leaf: the bonus token
-        bad_q = q.clone()
-        bad_q[0, 0, v // 2] = float("nan")  # met by the final residual's sums
-        for kw in (
-            dict(),
-            dict(draft_probs=q),
-            dict(draft_probs=q, parents=parents, top_k=20, top_p=0.9, temperature=0.7),
-            dict(parents=parents, method="typical"),
-            dict(method="greedy"),
-            dict(draft_probs=q, method="relaxed", eps=0.2),
-            dict(draft_probs=q, method="relaxed", eps=0.2, correction="target"),
-            dict(parents=parents, top_p=0.9),
-            dict(parents=parents, allow=allow),
-            dict(draft_probs=torch.ones_like(q), parents=parents),
-            dict(draft_probs=bad_q),
-        ):
+        logits, tokens, cases = backend_parity_cases(gen, v, b, n, dtype)
+        for kw in cases:
             cpu = ops.verify(logits, tokens, seed=seeds(b), offset=3, **kw)
             kw_gpu = {k: (x.cuda() if isinstance(x, torch.Tensor) else x) for k, x in kw.items()}
             gpu = ops.verify(logits.cuda(), tokens.cuda(), seed=seeds(b).cuda(), offset=3, **kw_gpu)
