@@ -352,10 +352,8 @@ bool prepare_device(const Array& a) {
   if (a.device().kind == DeviceKind::kCPU) return true;
   throw_value_error(std::string(a.name()) + ": is on " + a.device().str() +
                     ", but the CUDA emulator (specdecode._cuda_emu) takes host arrays only");
-#else
+#elif defined(SPECDECODE_WITH_CUDA)
   if (a.device().kind == DeviceKind::kCPU) return false;
-#endif
-#ifdef SPECDECODE_WITH_CUDA
   std::string err;
   if (!cuda::set_device(a.device().index, &err)) {
     throw std::runtime_error(std::string(a.name()) + ": cannot use " + a.device().str() + ": " +
@@ -363,6 +361,7 @@ bool prepare_device(const Array& a) {
   }
   return true;
 #else
+  if (a.device().kind == DeviceKind::kCPU) return false;
   throw_value_error(std::string(a.name()) + ": is on " + a.device().str() +
                     ", but this build of specdecode has no CUDA backend; reinstall with nvcc on "
                     "PATH and SPECDECODE_CUDA=ON, or move the data to the CPU");

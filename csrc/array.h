@@ -104,7 +104,9 @@ class Array {
 std::optional<Array> optional_array(py::handle obj, const char* name, bool writable = false);
 
 // Raises ValueError naming the argument when a CUDA array reaches a build without CUDA, and sets
-// the current CUDA device to the array's on CUDA builds. Returns true for CUDA arrays.
+// the current CUDA device to the array's on CUDA builds. Returns true for CUDA arrays. In the
+// CUDA emulator's module (SPECDECODE_CUDA_EMULATED) host arrays are the device's: true for them,
+// ValueError for real CUDA arrays.
 bool prepare_device(const Array& a);
 
 // Throws RuntimeError with the CUDA runtime's message when code != 0.
