@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -189,7 +190,17 @@ def test_shared_memory_starts_undefined_in_every_block():
 
 def test_a_write_past_dynamic_shared_memory_faults():
     code = "import specdecode._cuda_emu as e; e._selftest_shared_overflow(); print('survived')"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+    def no_core_file():
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=no_core_file,
+    )
     assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stdout, proc.stderr)
     assert "survived" not in proc.stdout
 
