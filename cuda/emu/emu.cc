@@ -277,31 +277,34 @@ int shuffle_source(const Fiber& f, int lane) {
 bool try_release_warp(Emulator& e, int first, int lanes, int lane, bool* released) {
   Fiber& f = e.fibers[static_cast<size_t>(first + lane)];
   const unsigned mask = f.mask;
-  const std::string who = "thread " + dims(f.ts.thread_idx) + " (lane " + std::to_string(lane) +
-                          ") at " + (f.shuffle ? "a shuffle" : "__syncwarp");
+  // The caller, for a failure's message only (built lazily: every shuffle passes here).
+  const auto who = [&] {
+    return "thread " + dims(f.ts.thread_idx) + " (lane " + std::to_string(lane) + ") at " +
+           (f.shuffle ? "a shuffle" : "__syncwarp");
+  };
   if (!((mask >> lane) & 1u)) {
-    e.failure = who + " with a mask that does not name its own lane";
+    e.failure = who() + " with a mask that does not name its own lane";
     return false;
   }
   for (int m = 0; m < kWarp; ++m) {
     if (!((mask >> m) & 1u)) continue;
     if (m >= lanes) {
-      e.failure = who + " names lane " + std::to_string(m) + ", which this block does not have";
+      e.failure = who() + " names lane " + std::to_string(m) + ", which this block does not have";
       return false;
     }
     const Fiber& g = e.fibers[static_cast<size_t>(first + m)];
     if (g.wait == Wait::kDone) {
-      e.failure = who + " names lane " + std::to_string(m) + ", which has exited";
+      e.failure = who() + " names lane " + std::to_string(m) + ", which has exited";
       return false;
     }
     if (g.wait == Wait::kBlock) {
-      e.failure = who + " names lane " + std::to_string(m) + ", which waits at __syncthreads";
+      e.failure = who() + " names lane " + std::to_string(m) + ", which waits at __syncthreads";
       return false;
     }
     if (g.wait != Wait::kWarp) return true;  // not arrived yet (cannot happen between rounds)
     if (g.mask != mask || g.shuffle != f.shuffle ||
         (f.shuffle && (g.kind != f.kind || g.width != f.width))) {
-      e.failure = who + " and lane " + std::to_string(m) + " wait at different warp operations";
+      e.failure = who() + " and lane " + std::to_string(m) + " wait at different warp operations";
       return false;
     }
   }
