@@ -20,8 +20,8 @@
 // A switch saves the callee-saved registers and the FP control words on the running stack and
 // resumes another stack. On x86-64 this is a few instructions (sd_emu_switch below). glibc's
 // swapcontext also saves the signal mask with a system call: with it, a small emulated
-// tree_attention (16632 warp shuffles, each 64 switches) took 9 times as long. Other
-// architectures use ucontext.
+// tree_attention (16632 warp shuffles, each 64 switches) took 8-10 times as long and a small
+// verify 6-10 times (bench/RESULTS.md, "CUDA emulator"). Other architectures use ucontext.
 #if defined(__x86_64__) && defined(__linux__)
 #define SD_EMU_FAST_SWITCH 1
 extern "C" void sd_emu_switch(void** save_sp, void* load_sp);
