@@ -93,7 +93,7 @@ cudaError_t run_grid(const void* kernel, dim3 grid, dim3 block, size_t smem,
                      const std::function<void()>& body);
 cudaError_t set_max_dynamic_shared(const void* kernel, int bytes);
 cudaError_t take_last_error();
-// The message of the last failed launch (empty when none failed).
+// The message of the error the last cudaGetLastError returned (empty after a success).
 const char* last_message();
 
 // Order of the threads between barriers and of the blocks of a grid.

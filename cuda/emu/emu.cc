@@ -120,9 +120,12 @@ Emulator& the_emulator() {
   return *e;
 }
 
-// Per host thread, as CUDA's error state is.
+// Per host thread, as CUDA's error state is. The message of an error moves to t_reported when
+// cudaGetLastError takes the error (cuda::error_string reads it right after), so a later error
+// that does not come from the emulator is never given an old message.
 thread_local cudaError_t t_last_error = cudaSuccess;
 thread_local std::string t_message;
+thread_local std::string t_reported;
 
 std::string dims(uint3 d) {
   return "(" + std::to_string(d.x) + ", " + std::to_string(d.y) + ", " + std::to_string(d.z) + ")";
@@ -482,9 +485,10 @@ cudaError_t run_grid(const void* kernel, dim3 grid, dim3 block, size_t smem,
 
 cudaError_t set_max_dynamic_shared(const void* kernel, int bytes) {
   if (bytes < 0 || bytes > kMaxShared) {
-    return set_error(cudaErrorInvalidValue, "cudaFuncSetAttribute: " + std::to_string(bytes) +
-                                                " bytes of dynamic shared memory is over " +
-                                                std::to_string(kMaxShared));
+    // The caller gets the code itself (not through cudaGetLastError): the message is reported.
+    t_reported = "cudaFuncSetAttribute: " + std::to_string(bytes) +
+                 " bytes of dynamic shared memory is over " + std::to_string(kMaxShared);
+    return cudaErrorInvalidValue;
   }
   Emulator& e = the_emulator();
   std::lock_guard<std::mutex> lock(e.mutex);
@@ -494,11 +498,13 @@ cudaError_t set_max_dynamic_shared(const void* kernel, int bytes) {
 
 cudaError_t take_last_error() {
   const cudaError_t code = t_last_error;
+  t_reported = code == cudaSuccess ? std::string() : t_message;
   t_last_error = cudaSuccess;
+  t_message.clear();
   return code;
 }
 
-const char* last_message() { return t_message.c_str(); }
+const char* last_message() { return t_reported.c_str(); }
 
 void set_schedule(Schedule schedule, uint64_t seed) {
   Emulator& e = the_emulator();
