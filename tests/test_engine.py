@@ -722,6 +722,41 @@ def test_fit_line_recovers_a_line_and_ignores_a_slow_point():
     assert engine_module._fit_line([(3, 1.5)]) == [(3, 1.5)]
 
 
+def test_fit_curve_keeps_the_one_token_pass_apart():
+    """One token runs matrix-vector products, which can cost far less than the line through the
+    batched passes says: its measured time stays, capped at the line so the curve never falls."""
+    batched = [(m, 5.0 + 0.2 * m) for m in (2, 4, 8, 16, 17)]
+    curve = engine_module._fit_curve([(1, 3.6), *batched])
+    assert [m for m, _ in curve] == [1, 2, 4, 8, 16, 17]
+    assert curve[0][1] == pytest.approx(3.6)
+    assert [c for _, c in curve[1:]] == pytest.approx([c for _, c in batched])
+    # Fitted with the others (the old curve), the plain step came out at the line's 5.2.
+    assert engine_module._fit_line([(1, 3.6), *batched])[0][1] == pytest.approx(5.2)
+    # A one-token pass dearer than the line (noise, or no matrix-vector path) is capped.
+    assert engine_module._fit_curve([(1, 9.0), *batched])[0][1] == pytest.approx(5.4)
+    # Without a one-token pass, or with too few points for a line apart: the plain line.
+    assert engine_module._fit_curve(batched) == engine_module._fit_line(batched)
+    two = [(1, 3.0), (2, 4.0)]
+    assert engine_module._fit_curve(two) == engine_module._fit_line(two)
+
+
+def test_cost_aware_budget_scores_no_draft_that_a_cheap_plain_step_beats():
+    """With the plain step's own cost, a draft accepted one time in ten is not worth a pass of
+    two or more tokens (the line would have priced the plain step at its batched cost)."""
+    batched = [(m, 5.0 + 0.2 * m) for m in (2, 4, 8, 16, 17)]
+    depth = torch.arange(17).unsqueeze(0)
+
+    def limit(points):
+        budget = CostAwareBudget(decay=0.9)
+        budget._curve = engine_module._CostCurve(1, points, 0.0, True)
+        for step in range(40):
+            budget.observe([0], [16], [1 if step % 10 == 0 else 0])
+        return int(budget.allocate(None, _FakeCache(1), [0], torch.tensor([17]), depth, True)[0])
+
+    assert limit(engine_module._fit_curve([(1, 3.6), *batched])) == 1
+    assert limit(engine_module._fit_line([(1, 3.6), *batched])) > 1
+
+
 class _SleepyTarget:
     """A stand-in target whose pass takes ``a + b * real tokens`` seconds, plus a burst of
     ``burst`` seconds on the calls listed in ``slow`` (a busy machine)."""

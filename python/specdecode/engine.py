@@ -530,9 +530,29 @@ def _fit_line(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
     return [(int(m), max(intercept + slope * m, floor)) for m in xs]
 
 
+def _fit_curve(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The calibrated points of a cost curve: :func:`_fit_line` through the passes of two or
+    more real tokens, and a one-token pass (``M = 1``) kept as measured, capped at the line's
+    first value so that the curve never falls.
+
+    Why apart: one token goes through matrix-vector products, which read each weight once as
+    it is, while two or more go through matrix products (a BLAS gemm, or a prepacked oneDNN
+    weight: :func:`specdecode.models.transformer._mm_rows`) with costs of their own. On the
+    bundled ``pycode`` target at batch 1 the one-token pass took 3.6 ms and the passes of 2 to
+    17 tokens lay on a line through 5.3 ms at one token (``bench/RESULTS.md``, ``## e2e``,
+    session 14). Fitted with the others, the plain step looked 1.5 times as dear as it is, so a
+    draft that is rarely accepted (Cacheback at temperature 1) looked worth scoring."""
+    points = list(points)
+    if len(points) < 3 or points[0][0] != 1:
+        return _fit_line(points)
+    line = _fit_line(points[1:])
+    return [(1, min(float(points[0][1]), line[0][1]))] + line
+
+
 def _calibrate(target: Any, cache: Any, max_nodes: int, ragged: bool) -> _CostCurve:
     """Measures a :class:`_CostCurve` on the live cache (every pass rolled back): the fastest of
-    interleaved rounds per size, then a monotone line through those (:func:`_fit_line`)."""
+    interleaved rounds per size, then a monotone line through those of two or more tokens and
+    the one-token pass as measured (:func:`_fit_curve`)."""
     batch = int(cache.batch_size)
     lengths = cache.lengths.to("cpu", torch.int64).clone()
     room = int(cache.max_length) - int(lengths.max())
@@ -553,7 +573,7 @@ def _calibrate(target: Any, cache: Any, max_nodes: int, ragged: bool) -> _CostCu
         # One real token per row at width `top` against width 1: the padded attention rows.
         shapes += [(ones, 1), (ones, top)]
     times = _time_passes(target, cache, shapes, ragged, lengths)
-    points = _fit_line(list(zip(sizes, times[: len(sizes)])))
+    points = _fit_curve(list(zip(sizes, times[: len(sizes)])))
     pad = 0.0
     if padded:
         narrow, wide = times[-2], times[-1]
@@ -574,8 +594,9 @@ class CostAwareBudget:
     ``(rows + sum g) / (cost(rows + nodes, width) + overhead)`` peaks. ``cost`` is the target's
     forward time as a function of the real tokens of the pass and its padded width, calibrated
     once per target and batch size on the live cache (rolled-back passes in interleaved rounds,
-    a robust line through the fastest pass of each size) and scaled online by
-    the ratio of measured to predicted forward times, so a busier machine moves the curve; with
+    a robust line through the fastest pass of each size, the one-token pass apart) and scaled
+    online by the ratio of measured to predicted forward times, so a busier machine moves the
+    curve; with
     a target that skips padding (``num_nodes``, as :class:`~specdecode.models.Transformer`)
     rows with poor drafts and finished rows cost nothing, so good rows keep long drafts. The
     gains are exact for chains (Cacheback ``chain=True``, a model chain) and a depth-only
