@@ -253,6 +253,11 @@ void on_fork_child() {
 
 [[maybe_unused]] const int g_atfork_registered = pthread_atfork(nullptr, nullptr, &on_fork_child);
 
+// Whether parallel_for may run on the team of `rt` (null: no runtime found, or our pool chosen).
+bool team_usable(const OpenMpRuntime* rt) {
+  return rt != nullptr && !g_forked_child.load(std::memory_order_relaxed);
+}
+
 // ---- The choice between them ----------------------------------------------------------------
 class Threads {
  public:
@@ -326,7 +331,7 @@ Threading threading() { return Threads::instance().mode(); }
 
 ThreadingBackend threading_backend() {
   const OpenMpRuntime* rt = Threads::instance().openmp();
-  if (rt != nullptr && !g_forked_child.load()) return {"openmp", rt->path};
+  if (team_usable(rt)) return {"openmp", rt->path};
   return {"pool", ""};
 }
 
@@ -343,7 +348,7 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
   }
   // In a forked child the count above still follows the runtime's (torch's); only its team is
   // unusable there.
-  if (rt == nullptr || g_forked_child.load(std::memory_order_relaxed)) {
+  if (!team_usable(rt)) {
     Pool::instance().run(n, grain, chunks, want, fn);
     return;
   }
