@@ -12,6 +12,9 @@ using verify::ScanResult;
 
 constexpr int kThreads = 256;
 
+// BlockShared::chunk_state bits of the top-p search (verify::top_p_settling_search).
+constexpr uint8_t kSettled = 1, kBelow = 2, kAbove = 4;
+
 struct BlockShared {
   float sums0[verify::kMaxChunks];
   float sums1[verify::kMaxChunks];
@@ -21,6 +24,7 @@ struct BlockShared {
   int64_t red_index[kThreads];
   int red_flag[kThreads];
   unsigned hist[256];
+  uint8_t chunk_state[verify::kMaxChunks];  // top-p search: kSettled | kBelow | kAbove
   float total;
   uint32_t prefix;
   int64_t remaining;
@@ -174,11 +178,67 @@ class BlockExec {
     return key_value(prefix);
   }
 
-  // The top-p threshold by bisection over its bit patterns (one canonical pass per step).
+  // The top-p threshold by the shared search with settled chunks (verify.h).
   template <class T>
   __device__ uint32_t top_p_threshold(int64_t n, const verify::RowWeight<T>& f, float wanted,
                                       uint32_t hi) {
-    return verify::top_p_bisect(*this, n, f, wanted, hi);
+    return verify::top_p_settling_search(*this, n, f, wanted, hi);
+  }
+
+  // The search's per-chunk steps, one thread per chunk (the same chunks in every step, so a
+  // thread reads back only what it wrote until the barrier before the total). The settled
+  // chunks' S_c live in sums0 and each try's in sums1: both are free during the search
+  // (prepare_row takes the row's sums again after it).
+  template <class T>
+  __device__ void top_p_unsettle(int64_t n, const verify::RowWeight<T>& f) {
+    __syncthreads();
+    const int chunks = verify::num_chunks(n);
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+      const bool empty = verify::top_p_chunk_empty(f, c);
+      sh_->chunk_state[c] = empty ? kSettled : 0;
+      if (empty) sh_->sums0[c] = 0.f;
+    }
+  }
+
+  template <class T>
+  __device__ float top_p_trial(int64_t n, const verify::RowWeight<T>& f, uint32_t lo, uint32_t mid,
+                               uint32_t hi) {
+    __syncthreads();
+    const int chunks = verify::num_chunks(n);
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+      if (sh_->chunk_state[c] & kSettled) continue;
+      const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+      const int64_t end = begin + verify::kChunk < n ? begin + verify::kChunk : n;
+      const verify::TopPChunkTrial r = verify::top_p_chunk_trial(f, begin, end, lo, mid, hi);
+      sh_->sums1[c] = r.sum;
+      sh_->chunk_state[c] = static_cast<uint8_t>((r.below ? kBelow : 0) | (r.above ? kAbove : 0));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.f;
+      for (int c = 0; c < chunks; ++c) {
+        total =
+            verify::fadd(total, (sh_->chunk_state[c] & kSettled) ? sh_->sums0[c] : sh_->sums1[c]);
+      }
+      sh_->total = total;
+    }
+    __syncthreads();
+    return sh_->total;
+  }
+
+  // The tries are top_p_next_try's (the block keeps no list of weights).
+  __device__ bool top_p_candidate(uint32_t, uint32_t, uint32_t*) { return false; }
+
+  __device__ void top_p_settle(int64_t n, bool keep, uint32_t, uint32_t) {
+    const int chunks = verify::num_chunks(n);
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+      const uint8_t st = sh_->chunk_state[c];
+      if ((st & kSettled) || !verify::top_p_settles(keep, (st & kBelow) != 0, (st & kAbove) != 0)) {
+        continue;
+      }
+      sh_->chunk_state[c] = kSettled;
+      sh_->sums0[c] = sh_->sums1[c];
+    }
   }
 
  private:

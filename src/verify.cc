@@ -330,8 +330,8 @@ struct LaneExec {
 // sums in sums(0); phase 2 writes into sums(1), free once the walk is over.
 // final_slices = 0: phase 2 in one range with the executor's own (vectorised) loops, the
 // production path. final_slices >= 1: phases 2 and 3 with LaneExec, phase 2 in that many slices
-// taken last slice first (any order gives the same sums), and the top-p threshold by plain
-// bisection, as the CUDA backend runs them.
+// taken last slice first (any order gives the same sums), and the top-p search's tries by the
+// shared verify::top_p_chunk_trial (exps included), as the CUDA backend runs them.
 template <class Ex, class T, class Q>
 void verify_one(Ex& ex, const verify::VerifyArgs& args, int64_t b, int final_slices,
                 verify::FinalDraw& fd) {

@@ -1196,12 +1196,60 @@ def top_p_rows(v: int) -> dict:
     return dict(flat=flat, peaky=peaky, zipf=zipf, ties=ties, far=far, one=one)
 
 
+def nucleus_row(v: int, seed: int, top_k: int = 0) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """(probabilities [v], top_p, the nucleus as a bool [v]) for a row whose top-p boundary is
+    sharp: 8 heavy tokens, 24 middle tokens of about 1.5 % each (jittered, so that they differ in
+    their low bits and the search must tell them apart), the rest light; top_p lands half-way
+    between two middle tokens' cumulative masses, so the nucleus (the tokens of weight >= the
+    threshold of the definition: the largest t whose kept mass is >= top_p of the mass after
+    top-k) is clear of rounding.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.rand(v, generator=gen, dtype=torch.float64) * 2e-6
+    order = torch.randperm(v, generator=gen)
+    heavy, middle = order[:8], order[8:32]
+    p[heavy] = 0.05 * (1 + 0.2 * torch.rand(8, generator=gen, dtype=torch.float64))
+    p[middle] = 0.015 * (1 + 0.05 * torch.rand(24, generator=gen, dtype=torch.float64))
+    p = (p / p.sum()).float()
+    desc = torch.sort(p.double(), descending=True).values
+    cum = torch.cumsum(desc, 0)
+    k = 8 + 13  # the nucleus ends at the 14th middle token
+    top_p = float((cum[k - 1] + cum[k]) / 2 / cum[(top_k or v) - 1])
+    return p, top_p, p >= desc[k].float()
+
+
+@pytest.mark.parametrize("v", [3001, 20000])
+@pytest.mark.parametrize("logits", [False, True])
+@pytest.mark.parametrize("top_k", [0, 28])
+def test_top_p_keeps_exactly_the_nucleus(v, logits, top_k):
+    """Every token of the nucleus is drawn and no other: a top-p threshold off by one weight
+    would drop a middle token (about 30 expected draws of 1024) or add one. The nucleus comes from
+    the definition in float64 here, independent of the native search."""
+    b = 1024
+    for seed in range(2):
+        p, top_p, nucleus = nucleus_row(v, seed, top_k)
+        row = torch.log(p) if logits else p
+        x = row.expand(b, v).contiguous()
+        got = ops.sample(
+            x,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seeds(b, 17 * seed),
+            offset=0,
+            target_is_logits=logits,
+        ).tokens.long()
+        drawn = torch.zeros(v, dtype=torch.bool)
+        drawn[got] = True
+        assert torch.equal(drawn, nucleus), (v, logits, top_k, seed)
+
+
 @pytest.mark.parametrize("v", [50, 3001, 128256])
-def test_top_p_search_equals_bisection(monkeypatch, v):
-    """The CPU finds the top-p threshold among the row's weights with few canonical passes; the
-    CUDA kernels bisect its bit patterns (which _CPU_FINAL_SLICES >= 1 runs on the CPU). Both
-    must find the same threshold: with it the kept mass and every draw would change, which 256
-    seeds per row would show."""
+def test_top_p_cached_tries_equal_the_shared_tries(monkeypatch, v):
+    """The CPU's top-p search tries each threshold on the row's cached local weights in vector
+    loops; the CUDA kernels take the shared verify::top_p_chunk_trial, exps included (which
+    _CPU_FINAL_SLICES >= 1 runs on the CPU). Both must find the same threshold: with another the
+    kept mass and every draw would change, which 256 seeds per row would show. (That threshold is
+    the definition's: test_top_p_keeps_exactly_the_nucleus.)"""
     from specdecode._ops import verify as verify_module
 
     b = 256

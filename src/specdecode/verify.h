@@ -19,6 +19,9 @@
 //   float* chunk_max() / chunk_scale()     where chunk_scales put them
 //   void range_sums(n, f, c_begin, c_end, out)  canonical chunk sums of f for a range of chunks
 //                                          (the final draw's phases 2 and 3, below the walk)
+//   uint32_t top_p_threshold(n, f, wanted, hi)  top_p_bisect's threshold (both backends run
+//                                          top_p_settling_search, whose three per-chunk steps
+//                                          are listed with it)
 // scan() also receives a ScanHint: when hint.fuse, a backend may take the chunk maxima and the
 // unmasked local weights' chunk sums during the scan and hand them to the chunk_scales() and
 // chunk_sums() calls of the same row that follow (same numbers, one read of the row).
@@ -500,9 +503,9 @@ struct BadTarget {
 // wmin = 0, hi the bit pattern of its largest weight. mass never increases with wmin (every term
 // does not, and rounding is monotone), so bisection over the bit patterns of [0, hi] finds it,
 // one canonical pass over the row per step. The threshold is always one of the row's weights
-// (mass is constant from just above one weight up to the next), which lets a backend search
-// fewer candidates, provided it returns this same value (src/verify_cpu_exec.inc does; the
-// CUDA backend bisects).
+// (mass is constant from just above one weight up to the next). This is the definition; both
+// backends find the same value with top_p_settling_search below, and fall back to this where
+// it takes no pass (nothing wanted, no positive weight).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
@@ -517,6 +520,125 @@ SD_HOST_DEVICE uint32_t top_p_bisect(Ex& ex, int64_t n, RowWeight<T> f, float wa
     } else {
       hi = mid - 1u;
     }
+  }
+  return lo;
+}
+
+// ---- the top-p threshold with settled chunks ----------------------------------------------------
+// top_p_bisect's value with less work per step. The search keeps an interval [lo, hi] of bit
+// patterns that holds the threshold (mass(lo) >= wanted, or lo = 0; mass(hi + 1) < wanted, or hi
+// the largest weight); each step tries a threshold mid in (lo, hi] and the interval becomes
+// [mid, hi] or [lo, mid - 1]. A chunk with no weight inside the new interval keeps the same kept
+// set {w >= t} = {w >= mid} for every t still to be tried, so its S_c stays the one just taken at
+// mid: the chunk is *settled*, and later steps add that number without reading the chunk. Every
+// total is therefore top_p_bisect's canonical mass, bit for bit, and the search ends on the same
+// (unique) threshold, whatever the order of the tries. Once the interval is narrow (a few hundred
+// weights of a large vocabulary) most chunks are settled and a step reads only the few that
+// still hold weights inside it.
+//
+// The executor provides the per-chunk state and the collective steps:
+//   ex.top_p_unsettle(n, f)            every chunk unsettled, except those top_p_chunk_empty
+//                                      names, settled with S_c = +0
+//   ex.top_p_candidate(lo, hi, &mid)   optionally, the next try: true with mid in (lo, hi] (the
+//                                      CPU bisects the row's weights once few chunks are left
+//                                      unsettled), false for top_p_next_try's
+//   ex.top_p_trial(n, f, lo, mid, hi)  for each unsettled chunk, its TopPChunkTrial at mid (the
+//                                      shared top_p_chunk_trial, or a loop with the same
+//                                      results); returns the canonical total of the S_c at mid,
+//                                      a settled chunk adding its kept S_c
+//   ex.top_p_settle(n, keep, lo, hi)   settles the chunks that top_p_settles names, keeping
+//                                      their S_c at mid ([lo, hi]: the new interval)
+
+// A chunk's part of a try at threshold mid: S_c as chunk_sums takes it for f with wmin = mid,
+// and whether the chunk holds a weight in [lo, mid) and in [mid, hi] (zero weights left out: at
+// any threshold > 0 they add 0).
+struct TopPChunkTrial {
+  float sum;
+  bool below;
+  bool above;
+};
+
+// Whether chunk c has weight 0 at every threshold: a logits row cut by top-k, whose chunk
+// maximum lies below the k-th value (m_c = fmul(raw max, inv_temp) < fmul(kth, inv_temp) implies
+// raw max < kth, rounding being monotone). Its canonical sum is then +0 at every try.
+template <class T>
+SD_HD_INLINE bool top_p_chunk_empty(const RowWeight<T>& f, int c) {
+  if constexpr (IsProb<T>::value) {
+    return false;
+  } else {
+    return f.kth > -kInf && f.chunk_max[c] < fmul(f.kth, f.inv_temp);
+  }
+}
+
+// Whether a chunk with those flags settles when the try keeps `wanted` (keep) or not.
+SD_HD_INLINE bool top_p_settles(bool keep, bool below, bool above) {
+  return keep ? !above : !below;
+}
+
+// Written out as chunk_sum's lane loop (the same additions in the same order, so the sum is
+// chunk_sums' for f with wmin = mid), with the local weight of f at wmin = mid as
+// RowWeight::local takes it: f has wmin = 0, and the unmasked weight w is compared with mid as
+// local() compares it. The flags are plain locals OR-ed in the loop, which keeps it a
+// vectorisable reduction on the CPU and in registers on the GPU.
+template <class T>
+SD_HD_INLINE TopPChunkTrial top_p_chunk_trial(const RowWeight<T>& f, int64_t begin, int64_t end,
+                                              uint32_t lo, uint32_t mid, uint32_t hi) {
+  const float lo_f = bits_to_float(lo), t = bits_to_float(mid), hi_f = bits_to_float(hi);
+  float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  bool below = false, above = false;
+  for (int64_t i = begin; i < end; i += 8) {
+    for (int j = 0; j < 8 && i + j < end; ++j) {
+      const float l = f.local(i + j);
+      const float w = f.from_local(l, i + j);
+      below |= w > 0.f && w >= lo_f && w < t;
+      above |= w >= t && w <= hi_f;
+      lane[j] = fadd(lane[j], w >= t ? l : 0.f);
+    }
+  }
+  TopPChunkTrial r;
+  r.sum = f.from_local(combine_lanes(lane), begin);
+  r.below = below;
+  r.above = above;
+  return r;
+}
+
+// The next threshold to try in [lo, hi] (lo < hi). Until a try has kept `wanted` (found = false)
+// it gallops down from hi's binade in powers of two (hi's exponent, then 1, 3, 7, .. binades
+// below), since the threshold of a usual top_p lies a few binades below the largest weight and
+// plain bisection of [0, hi] would first try thresholds near 1e-19 that keep everything; then it
+// bisects the exponents of [lo, hi], then the bit patterns.
+SD_HD_INLINE uint32_t top_p_next_try(uint32_t lo, uint32_t hi, bool found, uint32_t* back) {
+  const uint32_t e_lo = lo >> 23, e_hi = hi >> 23;
+  if (!found) {
+    const uint32_t e = *back < e_hi ? e_hi - *back : 0u;
+    *back = 2u * *back + 1u;
+    if (e > e_lo && (e << 23) > lo) return e << 23;
+  }
+  if (e_hi > e_lo + 1u) return (e_lo + (e_hi - e_lo + 1u) / 2u) << 23;
+  return lo + (hi - lo + 1u) / 2u;
+}
+
+// The threshold of top_p_bisect (same arguments), by the search above.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Ex, class T>
+SD_HOST_DEVICE uint32_t top_p_settling_search(Ex& ex, int64_t n, const RowWeight<T>& f,
+                                              float wanted, uint32_t hi) {
+  uint32_t lo = 0u, back = 0u;
+  bool found = false;
+  ex.top_p_unsettle(n, f);
+  while (lo < hi) {
+    uint32_t mid = 0u;
+    if (!ex.top_p_candidate(lo, hi, &mid)) mid = top_p_next_try(lo, hi, found, &back);
+    const bool keep = ex.top_p_trial(n, f, lo, mid, hi) >= wanted;
+    if (keep) {
+      lo = mid;
+      found = true;
+    } else {
+      hi = mid - 1u;
+    }
+    ex.top_p_settle(n, keep, lo, hi);
   }
   return lo;
 }

@@ -52,7 +52,7 @@ _METHODS = {"exact": 0, "greedy": 1, "typical": 2, "relaxed": 3, "topk_accept": 
 _CPU_FINAL_SLICES = 0
 """Testing knob (not API): with a value >= 1, CPU calls take the final draw's chunk sums in that
 many slices with the CUDA kernels' lane-by-lane arithmetic and find the top-p threshold by the
-CUDA kernels' plain bisection (src/verify.cc, ``verify_one``); 0 is the production path. Every
+CUDA kernels' per-chunk tries (src/verify.cc, ``verify_one``); 0 is the production path. Every
 value gives the same results, which tests/test_ops_verify.py checks."""
 
 Scalar = Union[int, float]
