@@ -596,9 +596,9 @@ class CostAwareBudget:
     once per target and batch size on the live cache (rolled-back passes in interleaved rounds,
     a robust line through the fastest pass of each size, the one-token pass apart) and scaled
     online by the ratio of measured to predicted forward times, so a busier machine moves the
-    curve; with
-    a target that skips padding (``num_nodes``, as :class:`~specdecode.models.Transformer`)
-    rows with poor drafts and finished rows cost nothing, so good rows keep long drafts. The
+    curve; with a target that skips padding (``num_nodes``, as
+    :class:`~specdecode.models.Transformer`) rows with poor drafts and finished rows cost
+    nothing, so good rows keep long drafts. The
     gains are exact for chains (Cacheback ``chain=True``, a model chain) and a depth-only
     approximation for trees.
 
