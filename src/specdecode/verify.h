@@ -251,6 +251,11 @@ struct IsProb<Prob<E>> {
 // ---- canonical sums and inverse-CDF sampling ---------------------------------------------------
 SD_HD_INLINE int num_chunks(int64_t n) { return static_cast<int>((n + kChunk - 1) / kChunk); }
 
+// The canonical combination of a chunk's eight lane sums: ((0+1)+(2+3))+((4+5)+(6+7)).
+SD_HD_INLINE float combine_lanes(const float* l) {
+  return fadd(fadd(fadd(l[0], l[1]), fadd(l[2], l[3])), fadd(fadd(l[4], l[5]), fadd(l[6], l[7])));
+}
+
 template <class F>
 SD_HD_INLINE float chunk_sum(const F& f, int64_t begin, int64_t end) {
   float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -259,8 +264,7 @@ SD_HD_INLINE float chunk_sum(const F& f, int64_t begin, int64_t end) {
     for (int j = 0; j < 8; ++j) lane[j] = fadd(lane[j], f(i + j));
   }
   for (int j = 0; i + j < end; ++j) lane[j] = fadd(lane[j], f(i + j));
-  return fadd(fadd(fadd(lane[0], lane[1]), fadd(lane[2], lane[3])),
-              fadd(fadd(lane[4], lane[5]), fadd(lane[6], lane[7])));
+  return combine_lanes(lane);
 }
 
 SD_HD_INLINE float sequential_total(const float* sums, int chunks) {
@@ -465,9 +469,6 @@ SD_HD_INLINE float chunk_lane_sum(const F& f, int64_t begin, int64_t end, int j)
   for (int64_t i = begin + j; i < end; i += 8) acc = fadd(acc, f(i));
   return acc;
 }
-SD_HD_INLINE float combine_lanes(const float* l) {
-  return fadd(fadd(fadd(l[0], l[1]), fadd(l[2], l[3])), fadd(fadd(l[4], l[5]), fadd(l[6], l[7])));
-}
 template <class F>
 SD_HD_INLINE float canonical_lane_sum(const F& f, int64_t begin, int64_t end, int j) {
   if constexpr (LocalSummed<F>::value) {
@@ -630,7 +631,11 @@ SD_HOST_DEVICE uint32_t top_p_settling_search(Ex& ex, int64_t n, const RowWeight
   ex.top_p_unsettle(n, f);
   while (lo < hi) {
     uint32_t mid = 0u;
-    if (!ex.top_p_candidate(lo, hi, &mid)) mid = top_p_next_try(lo, hi, found, &back);
+    // A try outside (lo, hi] would leave the interval as it is and loop forever; the shared step
+    // replaces it (any order of tries ends on the same threshold, so only the work changes).
+    if (!ex.top_p_candidate(lo, hi, &mid) || mid <= lo || mid > hi) {
+      mid = top_p_next_try(lo, hi, found, &back);
+    }
     const bool keep = ex.top_p_trial(n, f, lo, mid, hi) >= wanted;
     if (keep) {
       lo = mid;
