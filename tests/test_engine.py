@@ -835,10 +835,19 @@ def test_prune_keeps_the_ancestor_closed_prefix_and_renumbers(seed):
     batch, width = 5, 12
     tokens, parents, num = _random_trees(rng, batch, width)
     depth = specdecode.ops.tree_info(parents).depth.numpy()
-    depth_limit = rng.integers(0, 6, size=batch).astype(np.int32)
+    random_depths = rng.integers(0, 6, size=batch).astype(np.int32)
     per_row = rng.integers(0, width + 2, size=batch)
     probs = torch.rand((batch, width, 4), generator=torch.Generator().manual_seed(seed))
-    for node_limit in (per_row, torch.from_numpy(per_row), int(per_row[0]), width):
+    # The last two keep only the roots (by nodes, then by depth), the budget's usual choice at low
+    # acceptance.
+    for node_limit, depth_limit in (
+        (per_row, random_depths),
+        (torch.from_numpy(per_row), random_depths),
+        (int(per_row[0]), random_depths),
+        (width, random_depths),
+        (np.minimum(per_row, 1), random_depths),
+        (width, np.zeros(batch, dtype=np.int32)),
+    ):
         # numpy and torch inputs give the same trees
         for as_torch in (False, True):
             args = (tokens, parents, num, probs, depth_limit, node_limit)
@@ -865,7 +874,9 @@ def test_prune_keeps_the_ancestor_closed_prefix_and_renumbers(seed):
                 if tree.draft_probs is not None:
                     torch.testing.assert_close(tree.draft_probs[b, :n], probs[b, kept])
             info = specdecode.ops.tree_info(tree.parents.contiguous())
-            assert torch.equal(info.mask, tree.mask)
+            assert tree.mask.dtype == info.mask.dtype and torch.equal(info.mask, tree.mask)
+            assert tree.depth.dtype == torch.int32 and torch.equal(info.depth, tree.depth)
+            assert torch.equal(info.num_nodes, tree.num_nodes)
             assert tree.tokens.dtype == tree.parents.dtype == torch.int32
 
 

@@ -197,6 +197,21 @@ class _Batch:
     # Batch row held by each row of the target cache, in cache order. All rows at first; the
     # rows of finished sequences are dropped from the cache when it can drop rows (keep_rows).
     rows: list[int] = dataclasses.field(default_factory=list)
+    # (rows, device) -> the sampling parameters of those rows on that device, built once per
+    # change of the cache's rows instead of indexed and copied every step.
+    _sampling: Optional[tuple[tuple, dict[str, torch.Tensor]]] = None
+
+    def sampling_parameters(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """temperature, top_k, top_p and seed of the cache's rows, on ``device``."""
+        key = (tuple(self.rows), device)
+        if self._sampling is None or self._sampling[0] != key:
+            rows = torch.tensor(self.rows, dtype=torch.int64)
+            params = {
+                name: getattr(self, name)[rows].to(device)
+                for name in ("temperature", "top_k", "top_p", "seed")
+            }
+            self._sampling = (key, params)
+        return self._sampling[1]
 
     @property
     def active(self) -> list[int]:
@@ -1313,24 +1328,27 @@ class SpeculativeDecoder:
         """Target input over the trees: padding nodes become token 0 at the root's position
         (their mask rows are empty and their outputs unused)."""
         vocab = int(self.target.vocab_size)
-        valid = tree.depth >= 0
-        if bool(((tree.tokens >= vocab) & valid).any()):
-            bad = int(tree.tokens[valid].max())
+        # On numpy views of the CPU trees: [B, N] with N a few dozen, where torch's per-op cost
+        # would exceed the work.
+        depth = tree.depth.numpy()
+        valid = depth >= 0
+        host_tokens = tree.tokens.numpy()
+        if ((host_tokens >= vocab) & valid).any():
+            bad = int(host_tokens[valid].max())
             raise ValueError(
                 f"drafter: proposed token id {bad}, outside the target's vocabulary [0, {vocab})"
             )
-        if bool(((tree.tokens < 0) & valid).any()):
+        if ((host_tokens < 0) & valid).any():
             raise ValueError("drafter: proposed a negative token id in a valid node")
         device = self.target.device
-        prefix = cache.lengths.to("cpu", torch.int64).unsqueeze(1)
-        positions = prefix + tree.depth.clamp(min=0).to(torch.int64)
-        tokens = tree.tokens.clamp(min=0).to(torch.int64)
+        prefix = cache.lengths.to("cpu", torch.int64).numpy()[:, None]
+        positions = torch.from_numpy(prefix + np.maximum(depth, 0))
+        tokens = torch.from_numpy(np.maximum(host_tokens, 0).astype(np.int64))
         return tokens.to(device), positions.to(device)
 
     def _verify(self, state: _Batch, tree: _Tree, logits: torch.Tensor) -> ops.VerifyResult:
         device = logits.device
         offset = torch.tensor([len(state.tokens[b]) for b in state.rows], dtype=torch.int64)
-        rows = torch.tensor(state.rows, dtype=torch.int64)
         probs = tree.draft_probs
         return ops.verify(
             logits.contiguous(),
@@ -1338,10 +1356,7 @@ class SpeculativeDecoder:
             parents=tree.parents.to(device),
             num_nodes=tree.num_nodes.to(device),
             draft_probs=None if probs is None else probs.to(device, torch.float32).contiguous(),
-            temperature=state.temperature[rows].to(device),
-            top_k=state.top_k[rows].to(device),
-            top_p=state.top_p[rows].to(device),
-            seed=state.seed[rows].to(device),
+            **state.sampling_parameters(device),
             offset=offset.to(device),
             method=self.method,
             max_depth=max(int(tree.depth.max()), 0),
@@ -1354,19 +1369,19 @@ class SpeculativeDecoder:
         """Keeps the root and the accepted nodes of each running row (cache positions
         ``active``) in the target cache; finished rows drop the whole tree. Returns the accepted
         counts per cache row (CPU int64)."""
-        status = result.status.cpu()
+        status = result.status.cpu().numpy()
         accepted = result.num_accepted.cpu().to(torch.int64)
-        bad = [i for i in active if int(status[i]) != 0]
-        if bad:
-            i = bad[0]
+        bad = np.flatnonzero(status[active] != 0)
+        if bad.size:
+            i = active[int(bad[0])]
             raise RuntimeError(
                 f"target: non-finite or zero-mass distribution for sequence {state.rows[i]} "
                 f"(verify status {int(status[i])}); generation stopped"
             )
-        keep = torch.zeros(cache.batch_size, dtype=torch.int32)
-        keep[active] = (accepted[active] + 1).to(torch.int32)
+        keep = np.zeros(cache.batch_size, dtype=np.int32)
+        keep[active] = accepted.numpy()[active] + 1
         device = result.path.device
-        cache.compact(result.path.to(torch.int32).contiguous(), keep.to(device))
+        cache.compact(result.path.to(torch.int32).contiguous(), torch.from_numpy(keep).to(device))
         return accepted
 
     def _commit(
@@ -1379,8 +1394,8 @@ class SpeculativeDecoder:
     ) -> list[list[int]]:
         """Appends each running row's emitted tokens (cache positions ``active``), cut after a
         stop token or at the token budget; returns what each running row committed."""
-        emitted = result.emitted.cpu()
-        num = result.num_emitted.cpu()
+        emitted = result.emitted.cpu().numpy()
+        num = result.num_emitted.cpu().numpy()
         committed = []
         for i in active:
             b = state.rows[i]
@@ -1437,6 +1452,8 @@ def _prune(
     tokens_np = np.asarray(tokens, dtype=np.int32)
     parents_np = np.ascontiguousarray(parents, dtype=np.int32)
     num_np = np.asarray(num_nodes, dtype=np.int32)
+    if _keeps_roots_only(node_limit, depth_limit):
+        return _root_tree(tokens_np, probs)
     if info is None:
         info = ops.tree_info(parents_np)
     depth = info.depth.numpy()
@@ -1483,6 +1500,33 @@ def _prune(
         new_probs,
         info.depth,
         info.mask,
+    )
+
+
+def _keeps_roots_only(
+    node_limit: Union[int, torch.Tensor, np.ndarray],
+    depth_limit: Union[torch.Tensor, np.ndarray],
+) -> bool:
+    """Whether :func:`_prune` keeps nothing but the roots (the step the budget judged no draft to
+    pay for, the common case at low acceptance)."""
+    depth_limit = np.asarray(depth_limit)
+    if depth_limit.size == 0:
+        return False
+    return int(depth_limit.max()) <= 0 or int(np.max(np.asarray(node_limit))) <= 1
+
+
+def _root_tree(tokens: np.ndarray, probs: Optional[torch.Tensor]) -> _Tree:
+    """The root-only trees of ``tokens`` (int32 ``[B, N]``): node 0 of every row, depth 0, the
+    mask of a node that sees itself. Built without the tree kernel, which would only confirm
+    this."""
+    batch = tokens.shape[0]
+    return _Tree(
+        torch.from_numpy(np.ascontiguousarray(tokens[:, :1])),
+        torch.full((batch, 1), -1, dtype=torch.int32),
+        torch.ones(batch, dtype=torch.int32),
+        None if probs is None else probs[:, :1],
+        torch.zeros((batch, 1), dtype=torch.int32),
+        torch.ones((batch, 1, 1), dtype=torch.uint32),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -199,20 +200,23 @@ class KVCache:
             )
         batch = self.batch_size
         check_compact_args(path, num_accepted, batch, self.device)
+        # The checks run on host copies through numpy: [B, P] with P a few dozen at most, where
+        # each torch op (and, on a GPU, each synchronising bool()) costs more than the check.
         counts = num_accepted.to("cpu", torch.int64)
+        host_counts = counts.numpy()
+        host_path = path.cpu().numpy()
         width = path.shape[1]
-        if bool((counts < 0).any()) or bool((counts > width).any()):
+        if batch and (host_counts.min() < 0 or host_counts.max() > width):
             raise ValueError(
                 f"num_accepted: expected values in [0, {width}], got {counts.tolist()}"
             )
-        used = torch.arange(width, device=path.device).unsqueeze(0) < num_accepted.unsqueeze(1)
-        if bool((used & (path >= self._tree_size)).any()):
+        used = np.arange(width)[None, :] < host_counts[:, None]
+        if (used & (host_path >= self._tree_size)).any():
             raise ValueError(
                 f"path: a node index is >= {self._tree_size}, the number of tokens of the last "
                 "forward pass"
             )
-        steps = torch.arange(width, device=path.device, dtype=path.dtype).unsqueeze(0)
-        if bool(((path == steps) | ~used).all()):
+        if ((host_path == np.arange(width)[None, :]) | ~used).all():
             # Every row keeps a prefix 0, 1, .. of the block (a chain, an accepted first branch,
             # or the root alone): those entries already sit where compaction would put them, so
             # shortening the rows is the whole move.
