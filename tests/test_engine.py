@@ -613,9 +613,12 @@ def test_cost_aware_budget_counts_conditional_acceptance():
     budget = CostAwareBudget(decay=0.5, prior=0.5, prior_weight=1.0, cost=lambda b, m, t: 1.0)
     # Row 0 offered depth 4 and accepted 2: depths 1, 2 accepted, depth 3 rejected, 4 unseen.
     budget.observe([0], [4], [2])
+    # Each depth's prior is the estimate of the depth above (depth 1: `prior`).
     rates = budget._rates(4)
-    assert rates[1] == pytest.approx(1.5 / 2) and rates[2] == pytest.approx(1.5 / 2)
-    assert rates[3] == pytest.approx(0.5 / 2) and rates[4] == pytest.approx(0.5)
+    assert rates[1] == pytest.approx((1 + 0.5) / 2)
+    assert rates[2] == pytest.approx((1 + rates[1]) / 2)
+    assert rates[3] == pytest.approx((0 + rates[2]) / 2)
+    assert rates[4] == pytest.approx(rates[3])  # unseen: the depth above's estimate
     # The gains of a chain: first-token rate times the conditional rates along the path.
     gains = budget.expected_gains([0], torch.arange(5).unsqueeze(0))
     r0 = budget.row_rate(0)
@@ -625,6 +628,38 @@ def test_cost_aware_budget_counts_conditional_acceptance():
     for _ in range(30):
         budget.observe([0], [0], [0])
     assert budget._rates(3)[3] == pytest.approx(0.5, abs=1e-6)
+
+
+def test_cost_aware_budget_does_not_promise_unseen_depths_beyond_the_seen_ones():
+    """A depth is observed only after the one above was accepted and offered, so the deep depths
+    of a budget that kept its drafts short stay unseen. Their estimates follow the depths above:
+    a long chain is not scored on the strength of the prior alone."""
+    cost = lambda b, m, t: 1.0 + 0.1 * (m - 1)  # noqa: E731 (a node costs a tenth of the pass)
+    budget = CostAwareBudget(decay=0.95, cost=cost)
+    for step in range(60):
+        # One draft token offered per step, accepted three steps in ten.
+        budget.observe([0], [1], [int(step % 10 < 3)])
+    rates = budget._rates(8)
+    assert 0.2 < rates[1] < 0.4
+    assert rates[2:].tolist() == pytest.approx([rates[1]] * 7)
+    depth = np.arange(9)[None, :]
+    limits = budget.allocate(None, _FakeCache(1), [0], np.array([9]), depth, True)
+    # One node adds about 0.3 tokens for a tenth of a pass; with the unseen depths at the prior
+    # (0.7) a chain of three would look best.
+    assert limits.tolist() == [2]
+
+
+def test_cost_aware_budget_scales_the_curve_to_the_measured_passes():
+    """Passes that take twice the calibrated time (a busier machine) double the predictions."""
+    budget = CostAwareBudget()
+    budget._curve = engine_module._CostCurve(1, [(1, 1e-3), (2, 1.5e-3), (8, 3e-3)], 0.0, True)
+    depth = np.arange(4)[None, :]
+    for _ in range(100):
+        budget.allocate(None, _FakeCache(1), [0], np.array([4]), depth, True)
+        predicted_by_the_curve = budget._last_prediction / budget._scale
+        budget.observe([0], [0], [0], forward_seconds=2.0 * predicted_by_the_curve)
+    assert budget._scale == pytest.approx(2.0, rel=1e-3)
+    assert budget._predict(1, 8, 8) == pytest.approx(6e-3, rel=1e-3)
 
 
 def test_cost_aware_budget_rejects_bad_arguments(target):

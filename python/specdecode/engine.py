@@ -626,7 +626,8 @@ class CostAwareBudget:
     decay : float
         Per-step weight of the past in the acceptance counts, in ``[0, 1)``.
     prior : float
-        Prior acceptance rate of every depth, in ``(0, 1]`` (optimism drives exploration).
+        Prior acceptance rate of the first depth, in ``(0, 1]`` (optimism drives exploration);
+        each deeper depth's prior is the estimate of the depth above it.
     prior_weight : float
         Pseudo-count of the prior (> 0); a row's first-token rate starts from the global one
         with this weight.
@@ -664,7 +665,7 @@ class CostAwareBudget:
         self._depth_off = np.zeros(2, dtype=np.float64)
         self._row_acc: dict[int, float] = {}
         self._row_off: dict[int, float] = {}
-        self._scale = 1.0  # measured / predicted forward time (moving average)
+        self._scale = 1.0  # measured forward time / the curve's (moving average)
         self._overhead: Optional[float] = None
         self._curve: Optional[_CostCurve] = None
         self._last_prediction: Optional[float] = None
@@ -672,11 +673,20 @@ class CostAwareBudget:
     # ---- estimates ---------------------------------------------------------------------------
 
     def _rates(self, depth: int) -> np.ndarray:
-        """Acceptance rate of depths ``0..depth`` (entry 0 unused) with the prior mixed in."""
+        """Acceptance rate of depths ``0..depth`` (entry 0 unused) with the prior mixed in.
+
+        Depth 1 starts from ``prior``; each deeper depth from the estimate of the depth above.
+        A depth is observed only when the one above was accepted, so at low acceptance the deep
+        counts stay empty: with a fixed prior they would keep promising long chains that the
+        shallow depths have already shown not to pay."""
         self._grow(depth)
         w = self.prior_weight
-        acc, off = self._depth_acc[: depth + 1], self._depth_off[: depth + 1]
-        return (acc + w * self.prior) / (off + w)
+        rates = np.zeros(depth + 1)
+        mean = self.prior
+        for j in range(1, depth + 1):
+            mean = (self._depth_acc[j] + w * mean) / (self._depth_off[j] + w)
+            rates[j] = mean
+        return rates
 
     def _grow(self, depth: int) -> None:
         if depth + 1 > self._depth_acc.size:
@@ -837,8 +847,11 @@ class CostAwareBudget:
             self._depth_acc[1 : min(acc, dep) + 1] += 1.0
         predicted = self._last_prediction
         if forward_seconds is not None and predicted and self.cost is None:
+            # predicted already carries the scale: the scale that would have predicted this
+            # pass is scale * ratio, and the average moves towards that (moving towards the
+            # ratio itself would settle on the square root of the true scale).
             ratio = min(max(forward_seconds / predicted, 0.25), 4.0)
-            self._scale = 0.9 * self._scale + 0.1 * ratio
+            self._scale = 0.9 * self._scale + 0.1 * self._scale * ratio
 
     def observe_overhead(self, seconds: float) -> None:
         """Updates the moving average of a step's time outside the target's forward pass."""
