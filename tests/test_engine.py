@@ -583,6 +583,61 @@ def test_cost_aware_budget_keeps_greedy_identity(batch, target, references):
     assert all(1 <= n <= 12 for n in out.stats.node_budgets)
 
 
+class _Spying(CachebackDrafter):
+    """A Cacheback drafter that records the slots of every proposal and what it observed."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.proposed: list[list[int]] = []
+        self.observed: list[int] = []
+
+    def propose(self, slots):
+        self.proposed.append(list(slots))
+        return super().propose(slots)
+
+    def observe(self, slots, committed):
+        self.observed.extend(int(t) for row in committed for t in row)
+        return super().observe(slots, committed)
+
+
+@pytest.mark.parametrize(
+    "chain, batch, cost, proposes",
+    [
+        (True, 1, lambda b, m, t: float(m) ** 3, "never"),  # no chain can pay
+        (True, 1, lambda b, m, t: 1.0, "drafting"),  # free nodes: asked whenever a draft fits
+        (False, 1, lambda b, m, t: float(m) ** 3, "always"),  # trees
+        (True, 2, lambda b, m, t: float(m) ** 3, "always"),  # batch > 1
+    ],
+)
+def test_the_drafter_is_not_asked_for_a_chain_no_budget_would_score(
+    chain, batch, cost, proposes, target, references
+):
+    prompts, expected = references
+    drafter = _Spying(max_nodes=8, max_depth=6, max_sequences=batch, chain=chain)
+    assert drafter.proposes_chains is chain
+    steps: list[list[int]] = []
+    out = SpeculativeDecoder(target, drafter, budget=CostAwareBudget(cost=cost)).generate(
+        prompts[:batch],
+        max_new_tokens=16,
+        temperature=0.0,
+        on_step=lambda b, row: steps.append(row) if b == 0 else None,
+    )
+    assert out.sequences == expected[:batch]
+    asked = len(drafter.proposed)
+    if proposes == "never":
+        assert asked == 0 and out.stats.node_budgets == [1] * out.stats.steps
+    elif proposes == "always":
+        assert asked == out.stats.steps
+    else:
+        # Every step but possibly the last, where the token budget may leave no room for a draft.
+        assert asked >= max(out.stats.steps - 1, 1)
+        assert asked >= sum(1 for n in out.stats.node_budgets if n > 1) > 0
+    if batch == 1:
+        # The n-gram tables still see every committed token but the last step's (the row has
+        # finished then).
+        assert drafter.observed == [t for row in steps[:-1] for t in row]
+
+
 def test_cost_aware_budget_follows_the_cost():
     """Free nodes: every drafted node is scored; dear nodes: roots only; in between the row that
     accepts more keeps more of its draft."""

@@ -10,6 +10,11 @@ batch. Sequences live in *slots* (``0 <= slot < max_sequences``) for as long as 
   drafts followed by the bonus or correction token); only committed tokens ever reach a drafter;
 * :meth:`Drafter.release` closes slots whose sequences finished.
 
+A drafter may also set ``proposes_chains = True``: its drafts are chains and :meth:`propose` only
+reads its state. The engine may then skip :meth:`propose` on a step where its budget would score
+no node of any chain (:class:`~specdecode.engine.CostAwareBudget`); :meth:`observe` still gets
+every committed token.
+
 :class:`CachebackDrafter` implements it with Cacheback's n-gram LRU cache
 (:class:`~specdecode.ops.NGramCache`), which needs no model.
 """
@@ -132,10 +137,16 @@ class CachebackDrafter:
     def max_sequences(self) -> int:
         return self.cache.max_sequences
 
+    @property
+    def proposes_chains(self) -> bool:
+        """Whether the drafts are chains (``chain=True``); :meth:`propose` only reads the cache,
+        so the engine may skip it (see the module docstring)."""
+        return self.chain
+
     def _check_open(self, slots: np.ndarray, want_open: bool) -> None:
         if slots.size and (slots.min() < 0 or slots.max() >= self.max_sequences):
             raise ValueError(f"slots: expected slots in [0, {self.max_sequences}), got {slots}")
-        if len(np.unique(slots)) != slots.size:
+        if slots.size > 1 and len(np.unique(slots)) != slots.size:
             raise ValueError("slots: a slot appears twice")
         bad = slots[self._open[slots] != want_open]
         if bad.size:

@@ -200,6 +200,8 @@ class _Batch:
     # (rows, device) -> the sampling parameters of those rows on that device, built once per
     # change of the cache's rows instead of indexed and copied every step.
     _sampling: Optional[tuple[tuple, dict[str, torch.Tensor]]] = None
+    # Whether the last step scored no draft node (see SpeculativeDecoder._roots_without_proposal).
+    scored_roots_only: bool = True
 
     def sampling_parameters(self, device: torch.device) -> dict[str, torch.Tensor]:
         """temperature, top_k, top_p and seed of the cache's rows, on ``device``."""
@@ -1191,9 +1193,12 @@ class SpeculativeDecoder:
                 ).numpy()
                 return limits
 
-        tree = self._draft(state, cache, act, budget, choose)
+        tree = self._roots_without_proposal(state, cache, act) if per_row else None
+        if tree is None:
+            tree = self._draft(state, cache, act, budget, choose)
         if per_row:
             budget = int(tree.num_nodes.max())
+            state.scored_roots_only = budget == 1
         t1 = time.perf_counter()
         tokens, positions = self._tree_input(cache, tree)
         extra = {}
@@ -1256,6 +1261,40 @@ class SpeculativeDecoder:
             return
         cache.keep_rows(torch.tensor(keep, dtype=torch.int64))
         state.rows = [state.rows[i] for i in keep]
+
+    def _roots_without_proposal(self, state: _Batch, cache: Any, act: list[int]) -> Optional[_Tree]:
+        """The root-only tree of a single running sequence, without asking the drafter, when
+        :class:`CostAwareBudget` would score no node of the longest chain the drafter could
+        propose; None otherwise (the step drafts as usual).
+
+        At low acceptance (sampling at temperature 1, prose) most steps score the root alone,
+        and the proposal, its validation and the pruning would cost several percent of each
+        such step for nothing. Only for drafters that declare ``proposes_chains`` (chains, and a
+        :meth:`propose` that only reads the drafter's state, so a skipped call changes nothing),
+        at batch 1, and after a step that scored the root alone. It is exact there: the gains of
+        a chain's nodes do not depend on its tokens, the budget's candidates for a shorter chain
+        are a prefix of those of the longest one, and with one row the best cut of a prefix is
+        its empty cut whenever that of the whole chain is."""
+        if not (
+            len(act) == 1
+            and len(state.rows) == 1
+            and state.scored_roots_only
+            and getattr(self.drafter, "proposes_chains", False) is True
+        ):
+            return None
+        b = state.rows[0]
+        cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
+        depth = int(getattr(self.drafter, "max_depth", cap))
+        room = cache.max_length - int(cache.lengths.max())
+        nodes = max(min(cap, room, depth + 1, state.max_new - state.generated(b)), 1)
+        if nodes > 1:
+            chain = np.arange(nodes, dtype=np.int32)[None, :]
+            limits = self.budget.allocate(
+                self.target, cache, [b], np.array([nodes]), chain, self._ragged, cap
+            )
+            if int(limits[0]) > 1:
+                return None
+        return _root_tree(np.array([[state.tokens[b][-1]]], dtype=np.int32), None)
 
     def _draft(
         self,
