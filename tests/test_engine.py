@@ -583,6 +583,37 @@ def test_cost_aware_budget_keeps_greedy_identity(batch, target, references):
     assert all(1 <= n <= 12 for n in out.stats.node_budgets)
 
 
+@pytest.mark.parametrize("ragged", [True, False])
+def test_chain_pays_is_allocates_verdict_on_a_chain(ragged):
+    """The engine's check before a proposal gives allocate's answer for the same chain, and
+    leaves the same prediction of the pass behind."""
+    rng = np.random.default_rng(7)
+    curve = engine_module._CostCurve(
+        1, [(1, 3.6e-3), (2, 4.9e-3), (4, 4.4e-3), (17, 7e-3)], 0.0, ragged
+    )
+    seen = set()
+    for _ in range(200):
+        budget = CostAwareBudget(decay=0.9)
+        budget._curve = curve
+        budget._overhead = float(rng.uniform(0.0, 2e-3))
+        rate = float(rng.uniform(0.0, 1.0))  # this trial's acceptance of each draft token
+        for _ in range(int(rng.integers(0, 40))):
+            offered = int(rng.integers(0, 9))
+            accepted = 0
+            while accepted < offered and rng.uniform() < rate:
+                accepted += 1
+            budget.observe([0], [offered], [accepted])
+        nodes = int(rng.integers(2, 18))
+        chain = np.arange(nodes)[None, :]
+        limits = budget.allocate(None, _FakeCache(1), [0], np.array([nodes]), chain, ragged, 17)
+        predicted = budget._last_prediction
+        pays = budget.chain_pays(None, _FakeCache(1), 0, nodes, ragged, 17)
+        assert pays == (int(limits[0]) > 1)
+        assert budget._last_prediction == predicted
+        seen.add(pays)
+    assert seen == {True, False}
+
+
 class _Spying(CachebackDrafter):
     """A Cacheback drafter that records the slots of every proposal and what it observed."""
 

@@ -776,16 +776,7 @@ class CostAwareBudget:
         depth = np.asarray(depth, dtype=np.int64)
         num_nodes = np.asarray(num_nodes, dtype=np.int64)
         r, n = depth.shape
-        if self.cost is None and (self._curve is None or self._curve.batch != batch):
-            try:
-                per_target = _COST_CURVES.setdefault(target, {})
-            except TypeError:
-                per_target = {}
-            curve = per_target.get(batch)
-            top = max(n, limit or 1, 1)
-            if curve is None or curve.points[-1][0] < batch * n:
-                curve = per_target[batch] = _calibrate(target, cache, top, ragged)
-            self._curve = curve
+        self._ensure_curve(target, cache, batch, n, limit, ragged)
         gains = self.expected_gains(rows, depth)
         valid = np.arange(n)[None, :] < num_nodes[:, None]
         gains[~valid | (depth < 0)] = -1.0
@@ -793,22 +784,61 @@ class CostAwareBudget:
         flat = gains.reshape(-1)
         order = np.argsort(-flat, kind="stable")
         order = order[flat[order] >= 0]
-        # Candidate cuts k = 0 .. K: the best k nodes are scored (k = 0: roots only).
         widths = np.concatenate([[1], np.maximum.accumulate(order % n + 1)]).astype(np.int64)
-        totals = r + np.concatenate([[0.0], np.cumsum(flat[order])])
-        base = r if ragged else batch
-        real = base + np.arange(order.size + 1) if ragged else batch * widths
-        costs = self._predict_many(batch, real, widths)
-        rates = totals / np.maximum(costs + (self._overhead or 0.0), 1e-12)
-        best_k = int(np.argmax(rates))  # first maximum: the fewest nodes among equals
+        best_k = self._best_cut(batch, r, flat[order], widths, ragged)
         # Per row: one past the last chosen node index (node order; the chosen nodes of a row
         # are its first valid ones, since gains do not increase along a row).
         limits = np.ones(r, dtype=np.int64)
         if best_k:
             np.maximum.at(limits, order[:best_k] // n, order[:best_k] % n + 1)
-        m = base + best_k if ragged else batch * int(limits.max())
-        self._last_prediction = self._predict(batch, m, int(limits.max()))
         return torch.from_numpy(limits.astype(np.int32))
+
+    def chain_pays(
+        self, target: Any, cache: Any, row: int, nodes: int, ragged: bool, limit: int
+    ) -> bool:
+        """Whether :meth:`allocate` would score any node of a chain of ``nodes`` nodes (root
+        included) drafted for ``row``, the only row of a batch-1 cache; the same answer
+        without a draft (a chain's gains depend on its depths only) and without sorting (they
+        do not increase along it). Arguments as :meth:`allocate`'s."""
+        batch = int(cache.batch_size)
+        self._ensure_curve(target, cache, batch, nodes, limit, ragged)
+        depth = np.arange(nodes, dtype=np.int64)[None, :]
+        gains = self.expected_gains([row], depth)[0, 1:]
+        widths = np.arange(1, nodes + 1, dtype=np.int64)
+        return self._best_cut(batch, 1, gains, widths, ragged) > 0
+
+    def _ensure_curve(
+        self, target: Any, cache: Any, batch: int, n: int, limit: Optional[int], ragged: bool
+    ) -> None:
+        """Calibrates the cost curve of ``target`` at this batch size where none covers ``n``
+        nodes per row yet (a given ``cost`` needs none)."""
+        if self.cost is not None or (self._curve is not None and self._curve.batch == batch):
+            return
+        try:
+            per_target = _COST_CURVES.setdefault(target, {})
+        except TypeError:
+            per_target = {}
+        curve = per_target.get(batch)
+        top = max(n, limit or 1, 1)
+        if curve is None or curve.points[-1][0] < batch * n:
+            curve = per_target[batch] = _calibrate(target, cache, top, ragged)
+        self._curve = curve
+
+    def _best_cut(
+        self, batch: int, rows: int, gains: np.ndarray, widths: np.ndarray, ragged: bool
+    ) -> int:
+        """How many of the candidate nodes to score: ``gains`` float64 ``[K]`` best first,
+        ``widths`` int64 ``[K + 1]`` the padded width once the first ``k`` are scored (1 for
+        ``k = 0``, the roots alone). Keeps the prediction of the chosen pass for
+        :meth:`observe`."""
+        totals = rows + np.concatenate([[0.0], np.cumsum(gains)])
+        base = rows if ragged else batch
+        real = base + np.arange(gains.size + 1) if ragged else batch * widths
+        costs = self._predict_many(batch, real, widths)
+        rates = totals / np.maximum(costs + (self._overhead or 0.0), 1e-12)
+        best_k = int(np.argmax(rates))  # first maximum: the fewest nodes among equals
+        self._last_prediction = self._predict(batch, int(real[best_k]), int(widths[best_k]))
+        return best_k
 
     def observe(
         self,
@@ -1287,13 +1317,8 @@ class SpeculativeDecoder:
         depth = int(getattr(self.drafter, "max_depth", cap))
         room = cache.max_length - int(cache.lengths.max())
         nodes = max(min(cap, room, depth + 1, state.max_new - state.generated(b)), 1)
-        if nodes > 1:
-            chain = np.arange(nodes, dtype=np.int32)[None, :]
-            limits = self.budget.allocate(
-                self.target, cache, [b], np.array([nodes]), chain, self._ragged, cap
-            )
-            if int(limits[0]) > 1:
-                return None
+        if nodes > 1 and self.budget.chain_pays(self.target, cache, b, nodes, self._ragged, cap):
+            return None
         return _root_tree(np.array([[state.tokens[b][-1]]], dtype=np.int32), None)
 
     def _draft(
