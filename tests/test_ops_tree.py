@@ -267,6 +267,7 @@ def test_torch_compile_traces_tree_info():
 # ---- CUDA ------------------------------------------------------------------------------------
 
 
+@pytest.mark.cuda
 @requires_cuda
 def test_cuda_matches_cpu_exactly():
     g = torch.Generator().manual_seed(2)

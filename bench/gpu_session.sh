@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Everything this project has never run on a GPU, in one command for a machine that has one
+# (the device tool's H100 / H200: CUDA's compiler, PyTorch, pytest and pybind11 installed, no
+# network). The machine starts bare and stays warm only briefly after a call, so one call should
+# do all of it; each phase has its own time limit so that a slow one cannot eat the others, and
+# every phase's log goes to $OUT (what comes back from the machine):
+#
+#   run(command="bash bench/gpu_session.sh", timeout_s=600)
+#
+#   1. build: the package with the CUDA kernels for this GPU's architecture (nvcc, -j all cores),
+#      installed into /tmp/site (the image's own packages untouched);
+#   2. tests: the `cuda`-marked tests (the kernels against the CPU path, token for token and to the
+#      float64 reference);
+#   3. benchmarks: bench_verify.py and bench_attention.py with --device cuda (quick tables);
+#   4. with the time left, compute-sanitizer's memcheck and racecheck over the small GPU tests.
+#
+# Budget (SD_GPU_BUDGET, seconds; default 560 of the tool's 600-second limit per command) is
+# shared out in that order. Set SD_GPU_PHASES (e.g. "tests bench") to skip a phase that an
+# earlier call finished on the same warm machine, SD_GPU_BUILD_DIR for the build folder (default
+# /tmp/sd_build). $OUT/summary.txt gets one line per phase: its exit status and seconds.
+set -uo pipefail
+
+out=${OUT:-/tmp/sd_gpu_out}
+mkdir -p "$out"
+budget=${SD_GPU_BUDGET:-560}
+phases=${SD_GPU_PHASES:-"build tests bench"}
+py=${PYTHON:-python3}
+site=/tmp/site
+start=$(date +%s)
+summary="$out/summary.txt"
+: >"$summary"
+
+left() { echo $((budget - ($(date +%s) - start))); }
+
+# phase NAME LIMIT CMD...: runs CMD with at most LIMIT seconds (less if the budget is shorter),
+# its output in $out/NAME.log, and records the result.
+phase() {
+  local name=$1 limit=$2
+  shift 2
+  local avail
+  avail=$(left)
+  ((avail < limit)) && limit=$avail
+  if ((limit <= 10)); then
+    echo "$name: skipped, budget spent" | tee -a "$summary"
+    return 1
+  fi
+  local t0=$(date +%s)
+  timeout --kill-after=5 "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $(($(date +%s) - t0)) s (limit $limit s)" | tee -a "$summary"
+  return $rc
+}
+
+wants() { [[ " $phases " == *" $1 "* ]]; }
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nvcc --version | tail -n 2
+  "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))'
+  nproc
+} >"$out/machine.txt" 2>&1
+
+arch=$("$py" -c 'import torch; a, b = torch.cuda.get_device_capability(0); print(f"{a}{b}")' \
+  2>/dev/null || echo 90)
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+
+if wants build; then
+  # The test extra is not installed: its packages (pytest, numpy, transformers) are in the image
+  # and nothing can be fetched there.
+  phase build 300 env SPECDECODE_CUDA=ON SPECDECODE_CUDA_ARCHS="$arch" \
+    "$py" -m pip install --no-deps --no-build-isolation --no-index --target "$site" \
+    -Cbuild-dir="${SD_GPU_BUILD_DIR:-/tmp/sd_build}" . || {
+    echo "build failed: see build.log" | tee -a "$summary"
+    exit 1
+  }
+fi
+
+# From outside the checkout, so that the installed package (not python/) is imported.
+cd /tmp || exit 1
+repo=$OLDPWD
+
+if wants tests; then
+  phase tests 150 "$py" -m pytest -q -m cuda -p no:cacheprovider --rootdir "$repo" \
+    "$repo/tests"
+fi
+
+if wants bench; then
+  phase bench_verify 100 "$py" "$repo/bench/bench_verify.py" --device cuda --quick \
+    --out "$out/bench_verify.md"
+  phase bench_attention 100 "$py" "$repo/bench/bench_attention.py" --device cuda --quick
+fi
+
+# Last, with what is left: the kernels under compute-sanitizer (out-of-bounds and shared-memory
+# races), on the smallest cases of the GPU tests.
+if wants tests && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    phase "sanitizer_$tool" 60 compute-sanitizer --tool "$tool" --error-exitcode 7 \
+      "$py" -m pytest -q -x -m cuda -p no:cacheprovider --rootdir "$repo" \
+      "$repo/tests/test_ops_tree.py" "$repo/tests/test_ops_verify.py" \
+      "$repo/tests/test_ops_attention.py" -k "dtype0 and not 256 or tree or compact"
+  done
+fi
+
+echo "total: $(($(date +%s) - start)) s" | tee -a "$summary"
