@@ -981,6 +981,26 @@ def test_validation_errors_name_the_argument():
         ops.sample(torch.randn(3, 0), seed=0, offset=0)
 
 
+@pytest.mark.parametrize("batch", [1, 64, 65, 300])
+def test_per_sequence_values_are_checked_at_every_batch_size(batch):
+    """The range checks of the per-sequence parameters take Python numbers for a few rows and
+    numpy for many: both refuse a NaN or an out-of-range value anywhere in the batch."""
+    logits = torch.randn(batch, 1, 12)
+    tokens = torch.zeros(batch, 1, dtype=torch.int32)
+    last = batch - 1
+    for name, good, bad_values in (
+        ("temperature", torch.ones(batch), (float("nan"), -0.5, float("inf"))),
+        ("top_p", torch.full((batch,), 0.9), (float("nan"), 0.0, 1.5)),
+        ("top_k", torch.zeros(batch, dtype=torch.int64), (-1,)),
+    ):
+        ops.sample(logits[:, 0], **{name: good}, seed=0, offset=0)
+        for value in bad_values:
+            wrong = good.clone()
+            wrong[last] = value
+            with pytest.raises(ValueError, match=name):
+                ops.verify(logits, tokens, **{name: wrong}, seed=0, offset=0)
+
+
 def test_numpy_inputs_and_int32_seeds():
     logits = np.random.default_rng(0).standard_normal((3, 2, 20)).astype(np.float32)
     tokens = np.ones((3, 2), dtype=np.int64)

@@ -217,12 +217,18 @@ def _per_sequence(
     # Value checks need the data on the host; device arrays (CUDA-graph capture) are trusted and
     # the kernel treats out-of-range values safely (see verify's docstring).
     if t.device.type == "cpu" and batch:
-        # Through a numpy view: a handful of torch ops per parameter would cost more than the
-        # kernel on a short chain.
-        f = t.detach()
-        f = (f.float() if f.dtype == torch.bfloat16 else f).numpy()
-        lo_v, hi_v = f.min(), f.max()
-        if np.isnan(lo_v) or np.isnan(hi_v) or bad(float(lo_v)) or bad(float(hi_v)):
+        # A few values (the engine's usual batch) as Python numbers, more through numpy: torch's
+        # per-op cost, several ops per parameter, would exceed the kernel on a short chain.
+        if batch <= 64:
+            values = t.tolist()
+            lo_v, hi_v = min(values), max(values)
+            nan = any(v != v for v in values)
+        else:
+            f = t.detach()
+            f = (f.float() if f.dtype == torch.bfloat16 else f).numpy()
+            lo_v, hi_v = f.min(), f.max()
+            nan = bool(np.isnan(lo_v) or np.isnan(hi_v))
+        if nan or bad(float(lo_v)) or bad(float(hi_v)):
             raise ValueError(f"{name}: every value must be in {rng}")
     return t.to(dtype).contiguous()
 
