@@ -1204,13 +1204,13 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         budget = self.max_nodes
         per_row = isinstance(self.budget, CostAwareBudget)
+        # The most nodes a row can score this step: ours and the drafter's limit.
+        cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
         if isinstance(self.budget, AdaptiveBudget):
-            cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
             budget = self.budget.choose(self.target, cache, len(active), cap)
         idx = torch.tensor(act, dtype=torch.int64)
         choose = None
         if per_row:
-            cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
 
             def choose(num_nodes: np.ndarray, depth: np.ndarray) -> np.ndarray:
                 if len(act) == num_nodes.shape[0]:  # every cache row is running
@@ -1223,7 +1223,7 @@ class SpeculativeDecoder:
                 ).numpy()
                 return limits
 
-        tree = self._roots_without_proposal(state, cache, act) if per_row else None
+        tree = self._roots_without_proposal(state, cache, act, cap) if per_row else None
         if tree is None:
             tree = self._draft(state, cache, act, budget, choose)
         if per_row:
@@ -1292,10 +1292,13 @@ class SpeculativeDecoder:
         cache.keep_rows(torch.tensor(keep, dtype=torch.int64))
         state.rows = [state.rows[i] for i in keep]
 
-    def _roots_without_proposal(self, state: _Batch, cache: Any, act: list[int]) -> Optional[_Tree]:
+    def _roots_without_proposal(
+        self, state: _Batch, cache: Any, act: list[int], cap: int
+    ) -> Optional[_Tree]:
         """The root-only tree of a single running sequence, without asking the drafter, when
         :class:`CostAwareBudget` would score no node of the longest chain the drafter could
-        propose; None otherwise (the step drafts as usual).
+        propose (at most ``cap`` nodes, the step's limit per row); None otherwise (the step
+        drafts as usual).
 
         At low acceptance (sampling at temperature 1, prose) most steps score the root alone,
         and the proposal, its validation and the pruning would cost several percent of each
@@ -1313,7 +1316,6 @@ class SpeculativeDecoder:
         ):
             return None
         b = state.rows[0]
-        cap = min(self.max_nodes, int(getattr(self.drafter, "max_nodes", self.max_nodes)))
         depth = int(getattr(self.drafter, "max_depth", cap))
         room = cache.max_length - int(cache.lengths.max())
         nodes = max(min(cap, room, depth + 1, state.max_new - state.generated(b)), 1)
