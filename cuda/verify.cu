@@ -11,6 +11,8 @@ namespace {
 using verify::ScanResult;
 
 constexpr int kThreads = 256;
+static_assert(verify::kTopPBuckets % 32 == 0 && kThreads >= 32,
+              "the histogram's suffix sums take one warp");
 
 // BlockShared::chunk_state bits of the top-p search (verify::top_p_settling_search).
 constexpr uint8_t kSettled = 1, kBelow = 2, kAbove = 4;
@@ -24,7 +26,8 @@ struct BlockShared {
   int64_t red_index[kThreads];
   int red_flag[kThreads];
   unsigned hist[256];
-  uint8_t chunk_state[verify::kMaxChunks];  // top-p search: kSettled | kBelow | kAbove
+  uint8_t chunk_state[verify::kMaxChunks];    // top-p search: kSettled | kBelow | kAbove
+  float top_p_cum[verify::kTopPBuckets + 1];  // top-p search: the last histogram (suffix sums)
   float total;
   uint32_t prefix;
   int64_t remaining;
@@ -224,6 +227,49 @@ class BlockExec {
     }
     __syncthreads();
     return sh_->total;
+  }
+
+  // A histogram of the search (verify::top_p_locate): every thread adds its chunks' weights
+  // inside the span with shared-memory atomics (an order-free, approximate mass: the search
+  // only takes its proposals from it), then the first warp turns the buckets into suffix sums,
+  // each lane over kPerLane buckets, the lanes' totals joined by shuffles.
+  template <class T>
+  __device__ const float* top_p_histogram(int64_t n, const verify::RowWeight<T>& f,
+                                          const verify::TopPSpan& sp) {
+    constexpr int kPerLane = verify::kTopPBuckets / 32;
+    float* cum = sh_->top_p_cum;
+    __syncthreads();
+    for (int k = threadIdx.x; k <= verify::kTopPBuckets; k += kThreads) cum[k] = 0.f;
+    __syncthreads();
+    const int chunks = verify::num_chunks(n);
+    const auto add = [cum](int k, float w) { atomicAdd(&cum[k], w); };
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+      if (sh_->chunk_state[c] & kSettled) continue;
+      const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
+      const int64_t end = begin + verify::kChunk < n ? begin + verify::kChunk : n;
+      verify::top_p_chunk_histogram(f, begin, end, sp, add);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      float* mine = cum + lane * kPerLane;
+      float run = 0.f;
+      for (int i = kPerLane - 1; i >= 0; --i) {
+        run = verify::fadd(run, mine[i]);
+        mine[i] = run;
+      }
+      // Inclusive suffix sums of the lanes' totals, then each lane adds those of the lanes above.
+      float suffix = run;
+      for (int d = 1; d < 32; d <<= 1) {
+        const float v = __shfl_down_sync(0xffffffffu, suffix, d);
+        if (lane + d < 32) suffix = verify::fadd(suffix, v);
+      }
+      float beyond = __shfl_down_sync(0xffffffffu, suffix, 1);
+      if (lane == 31) beyond = 0.f;
+      for (int i = 0; i < kPerLane; ++i) mine[i] = verify::fadd(mine[i], beyond);
+    }
+    __syncthreads();
+    return cum;
   }
 
   // The tries are top_p_next_try's (the block keeps no list of weights).

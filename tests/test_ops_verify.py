@@ -1263,6 +1263,70 @@ def test_top_p_keeps_exactly_the_nucleus(v, logits, top_k):
         assert torch.equal(drawn, nucleus), (v, logits, top_k, seed)
 
 
+def threshold_of_definition(w: np.ndarray, wanted: float) -> float:
+    """The largest weight t whose mass of weights >= t is at least `wanted`, in float64."""
+    desc = np.sort(w.astype(np.float64))[::-1]
+    return float(desc[int(np.searchsorted(np.cumsum(desc), wanted))])
+
+
+@pytest.mark.parametrize("v", [3001, 128256])
+def test_top_p_histograms_cut_the_kernels_passes(v):
+    """The CUDA kernel's top-p search takes its first tries from histograms of the weights
+    (verify::top_p_locate), counted here by _C.top_p_search_work (the kernel's steps on one CPU
+    thread). With and without them the search must end on the definition's threshold (top_p set
+    half-way between two cumulative masses, clear of rounding), and with them it must take fewer
+    passes over the row (tries + histograms, each a block-wide pass and barriers on the GPU): a
+    dozen at most where the settling search alone takes 20 to 32, and on flat rows of a large
+    vocabulary fewer chunk reads too (under 6 reads of the row against 6 to 28;
+    bench/top_p_work.py has the counts). A row whose largest weight holds `wanted` takes none."""
+    chunks = -(-v // 256)
+    for name, x in top_p_rows(v).items():
+        w = torch.exp(x - x.max()).numpy()
+        desc = np.sort(w.astype(np.float64))[::-1]
+        cum = np.cumsum(desc)
+        for top_p in (0.3, 0.9, 0.97):
+            k = int(np.searchsorted(cum, top_p * cum[-1]))
+            k = min(max(k, 1), v - 1)
+            wanted = (cum[k - 1] + cum[k]) / 2
+            want = threshold_of_definition(w, wanted)
+            got = {}
+            for histograms in (False, True):
+                bits, tries, passes, reads = _C.top_p_search_work(w, wanted, histograms)
+                got[histograms] = (tries + passes, reads)
+                t = float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
+                assert t == want, (name, top_p, histograms, t, want)
+                assert histograms or passes == 0
+            if desc[0] >= wanted:
+                # The largest weight alone holds `wanted`: no pass at all.
+                assert got[True] == (0, 0), (name, top_p)
+                continue
+            (plain_passes, plain_reads), (hist_passes, hist_reads) = got[False], got[True]
+            # kTopPLevels histograms and a few tries at the edges of the buckets they name.
+            assert hist_passes <= 12, (name, top_p, got)
+            if plain_passes >= 20:
+                assert 3 * hist_passes <= plain_passes, (name, top_p, got)
+            if v == 128256 and top_p >= 0.9 and name in ("flat", "zipf", "ties", "far"):
+                assert hist_reads < 6 * chunks <= plain_reads, (name, top_p, got)
+
+
+def test_top_p_search_work_refuses_bad_rows():
+    w = np.ones(300, dtype=np.float32)
+    for bad, match in (
+        (np.array([1.0, -1.0], dtype=np.float32), "finite values >= 0"),
+        (np.array([1.0, np.nan], dtype=np.float32), "finite values >= 0"),
+        (np.array([1.0, np.inf], dtype=np.float32), "finite values >= 0"),
+        (np.zeros(5, dtype=np.float32), "at least one value > 0"),
+        (np.zeros(0, dtype=np.float32), "1 <= V"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            _C.top_p_search_work(bad, 0.5, True)
+    for wanted in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="wanted"):
+            _C.top_p_search_work(w, wanted, True)
+    with pytest.raises(TypeError):
+        _C.top_p_search_work(w.astype(np.float64), 0.5, True)
+
+
 @pytest.mark.parametrize("v", [50, 3001, 128256])
 def test_top_p_cached_tries_equal_the_shared_tries(monkeypatch, v):
     """The CPU's top-p search tries each threshold on the row's cached local weights in vector

@@ -549,6 +549,10 @@ SD_HOST_DEVICE uint32_t top_p_bisect(Ex& ex, int64_t n, RowWeight<T> f, float wa
 //                                      a settled chunk adding its kept S_c
 //   ex.top_p_settle(n, keep, lo, hi)   settles the chunks that top_p_settles names, keeping
 //                                      their S_c at mid ([lo, hi]: the new interval)
+//   ex.top_p_histogram(n, f, span)     the unsettled chunks' weights inside a TopPSpan, added
+//                                      up bucket by bucket, as suffix sums (see the first
+//                                      tries, below); or nullptr from an executor whose tries
+//                                      cost less than a histogram's pass
 
 // A chunk's part of a try at threshold mid: S_c as chunk_sums takes it for f with wmin = mid,
 // and whether the chunk holds a weight in [lo, mid) and in [mid, hi] (zero weights left out: at
@@ -619,29 +623,203 @@ SD_HD_INLINE uint32_t top_p_next_try(uint32_t lo, uint32_t hi, bool found, uint3
   return lo + (hi - lo + 1u) / 2u;
 }
 
-// The threshold of top_p_bisect (same arguments), by the search above.
+// ---- the search's first tries, from histograms of the weights ----------------------------------
+// Tries from top_p_next_try halve the interval of bit patterns: about 30 of them, the first dozen
+// reading every chunk (while the interval is wide, every chunk holds a weight inside it), each
+// one a barrier and a serial total on the GPU. A histogram instead adds up the weights inside a
+// span of bit patterns by kTopPBuckets buckets of equal width in one pass; the buckets where the
+// mass above crosses `wanted` narrow the span by about a thousand, and kTopPLevels such passes
+// (each over the window the last one left) place the threshold within a few bit patterns. The
+// tries then go to the edges of the bucket the histogram names, which usually settle the search
+// in two.
+//
+// A histogram's masses are approximate (any order of additions: atomics on the GPU), so it only
+// proposes tries. Every try is still a canonical total, the interval's invariant is kept by the
+// tries alone, and a wrong proposal costs tries, never the threshold. The mass above a bucket is
+// anchored, where one is known, on a canonical total taken at the interval's ends.
+
+constexpr int kTopPBuckets = 1024;
+constexpr int kTopPLevels = 3;
+// The window of a level keeps every bucket whose approximate mass above could lie within this
+// fraction of `wanted` from it: float sums of the row in two orders differ by far less (about
+// 1e-6) on rows of up to a few hundred thousand weights.
+constexpr float kTopPWindow = 1.f / 65536.f;
+
+// Bucket k of a span holds the weights whose bit patterns lie in
+// [base + (k << shift), base + ((k + 1) << shift)), k < buckets, capped at last. `above` is the
+// approximate mass of the weights above the span (0 for the first span, whose last is the
+// largest weight).
+struct TopPSpan {
+  uint32_t base;
+  uint32_t last;
+  int shift;
+  int buckets;
+  float above;
+};
+
+// The span [a, b] (a <= b) in the fewest buckets of equal power-of-two width.
+SD_HD_INLINE TopPSpan top_p_span(uint32_t a, uint32_t b, float above) {
+  int shift = 0;
+  while (((b - a) >> shift) >= static_cast<uint32_t>(kTopPBuckets)) ++shift;
+  return TopPSpan{a, b, shift, static_cast<int>((b - a) >> shift) + 1, above};
+}
+
+// The bucket of a weight's bit pattern, or -1 outside the span (zero weights count nowhere: at
+// any threshold > 0 they add nothing).
+SD_HD_INLINE int top_p_bucket(const TopPSpan& sp, float w) {
+  const uint32_t bits = float_to_bits(w);
+  if (!(w > 0.f) || bits < sp.base || bits > sp.last) return -1;
+  return static_cast<int>((bits - sp.base) >> sp.shift);
+}
+
+// The pattern at which bucket k starts (k <= buckets; below 2^32 since last < 2^31).
+SD_HD_INLINE uint32_t top_p_edge(const TopPSpan& sp, int k) {
+  return sp.base + (static_cast<uint32_t>(k) << sp.shift);
+}
+
+// A chunk's part of a histogram: add(k, w) for every weight w of f (wmin = 0) in bucket k. The
+// GPU's threads run this; a CPU holding the local weights runs the same test on them.
+template <class T, class Add>
+SD_HD_INLINE void top_p_chunk_histogram(const RowWeight<T>& f, int64_t begin, int64_t end,
+                                        const TopPSpan& sp, Add& add) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float w = f(i);
+    const int k = top_p_bucket(sp, w);
+    if (k >= 0) add(k, w);
+  }
+}
+
+// The largest k in [k_lo, k_hi] with mass(k) >= x, or k_lo - 1 if none, for a mass that does
+// not increase with k (suffix sums; an executor's parallel suffix sums may break that by an ulp
+// at a block's edge, which only moves a proposal).
+template <class Mass>
+SD_HD_INLINE int top_p_last_at_least(const Mass& mass, int k_lo, int k_hi, float x) {
+  int lo = k_lo - 1, hi = k_hi;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo + 1) / 2;
+    if (mass(mid) >= x) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// The next level's span from this level's histogram (cum[k]: the mass of buckets k.. of sp,
+// cum[sp.buckets] = 0): every bucket whose approximate mass above, sp.above + cum[k], lies
+// within the window of `wanted`.
+SD_HD_INLINE TopPSpan top_p_window(const TopPSpan& sp, const float* cum, float wanted) {
+  const auto mass = [&](int k) { return fadd(sp.above, cum[k]); };
+  const float reach = fmul(wanted, kTopPWindow);
+  int k_lo = top_p_last_at_least(mass, 0, sp.buckets - 1, fadd(wanted, reach));
+  int k_hi = top_p_last_at_least(mass, 0, sp.buckets - 1, fsub(wanted, reach));
+  k_lo = k_lo < 0 ? 0 : k_lo;
+  k_hi = k_hi < k_lo ? k_lo : k_hi;
+  const uint32_t a = top_p_edge(sp, k_lo);
+  const uint32_t end = top_p_edge(sp, k_hi + 1) - 1u;
+  return top_p_span(a, end < sp.last ? end : sp.last, fadd(sp.above, cum[k_hi + 1]));
+}
+
+// What the search knows of the canonical mass at its interval's ends: mass(hi + 1) always (0
+// while hi is the largest weight), mass(lo) once a try has kept `wanted`.
+struct TopPKnown {
+  bool lo_known;
+  float at_lo;
+  float above_hi;
+};
+
+// The next try in (lo, hi] proposed by the last histogram (span sp, suffix sums cum): an edge of
+// the bucket where the mass above crosses `wanted` (its start, which should keep `wanted`, or,
+// when that is not above lo, its end, which should not), moved into (lo, hi]. False when no
+// bucket edge lies in (lo, hi]: the interval is inside one bucket, or outside the span.
+SD_HD_INLINE bool top_p_histogram_try(const TopPSpan& sp, const float* cum, uint32_t lo,
+                                      uint32_t hi, const TopPKnown& known, float wanted,
+                                      uint32_t* mid) {
+  if (cum == nullptr) return false;
+  // The buckets [k_lo, k_hi] overlap (lo, hi]; the edges k_min .. k_max lie in it.
+  const uint32_t l = lo + 1u > sp.base ? lo + 1u : sp.base;
+  const uint32_t h = hi < sp.last ? hi : sp.last;
+  if (l > h) return false;
+  const int k_lo = static_cast<int>((l - sp.base) >> sp.shift);
+  const int k_hi = static_cast<int>((h - sp.base) >> sp.shift);
+  const int k_min = lo < sp.base ? 0 : static_cast<int>((lo - sp.base) >> sp.shift) + 1;
+  const uint32_t k_top = (hi - sp.base) >> sp.shift;
+  const int k_max =
+      k_top < static_cast<uint32_t>(sp.buckets) ? static_cast<int>(k_top) : sp.buckets;
+  if (k_min > k_max) return false;
+  // The mass above each bucket's start, anchored on the nearest canonical total: mass(hi + 1)
+  // when hi is inside the span, else mass(lo) when known and inside, else the histograms' own.
+  const auto mass = [&](int k) {
+    if (hi < sp.last) return fadd(known.above_hi, fsub(cum[k], cum[k_hi + 1]));
+    if (known.lo_known && lo >= sp.base) {
+      return fsub(known.at_lo, fsub(cum[(lo - sp.base) >> sp.shift], cum[k]));
+    }
+    return fadd(sp.above, cum[k]);
+  };
+  const int cross = top_p_last_at_least(mass, k_lo, k_hi, wanted);
+  int k = cross >= 0 && top_p_edge(sp, cross) > lo ? cross : cross + 1;
+  k = k < k_min ? k_min : (k > k_max ? k_max : k);
+  *mid = top_p_edge(sp, k);
+  return true;
+}
+
+// The span of the last level and its suffix sums (the executor's), after kTopPLevels histograms
+// each over the window of the one before, starting from [0, hi]; nullptr from an executor
+// without histograms.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Ex, class T>
+SD_HOST_DEVICE const float* top_p_locate(Ex& ex, int64_t n, const RowWeight<T>& f, float wanted,
+                                         uint32_t hi, TopPSpan* span) {
+  TopPSpan sp = top_p_span(0u, hi, 0.f);
+  const float* cum = ex.top_p_histogram(n, f, sp);
+  for (int level = 1; cum != nullptr && level < kTopPLevels && sp.shift > 0; ++level) {
+    sp = top_p_window(sp, cum, wanted);
+    cum = ex.top_p_histogram(n, f, sp);
+  }
+  *span = sp;
+  return cum;
+}
+
+// The threshold of top_p_bisect (same arguments), by the search above: hi is the row's largest
+// weight. When that weight alone holds `wanted`, so does the canonical mass at it (a sum of
+// weights >= 0 that includes it is at least it, rounding being monotone): no pass is needed.
+// Otherwise the histograms propose the tries; the executor's own proposal (top_p_candidate)
+// comes first, and top_p_next_try's where neither has one.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
 template <class Ex, class T>
 SD_HOST_DEVICE uint32_t top_p_settling_search(Ex& ex, int64_t n, const RowWeight<T>& f,
                                               float wanted, uint32_t hi) {
+  if (bits_to_float(hi) >= wanted) return hi;
   uint32_t lo = 0u, back = 0u;
   bool found = false;
+  TopPKnown known{false, 0.f, 0.f};
   ex.top_p_unsettle(n, f);
+  TopPSpan sp;
+  const float* cum = top_p_locate(ex, n, f, wanted, hi, &sp);
   while (lo < hi) {
     uint32_t mid = 0u;
     // A try outside (lo, hi] would leave the interval as it is and loop forever; the shared step
     // replaces it (any order of tries ends on the same threshold, so only the work changes).
     if (!ex.top_p_candidate(lo, hi, &mid) || mid <= lo || mid > hi) {
-      mid = top_p_next_try(lo, hi, found, &back);
+      if (!top_p_histogram_try(sp, cum, lo, hi, known, wanted, &mid) || mid <= lo || mid > hi) {
+        mid = top_p_next_try(lo, hi, found, &back);
+      }
     }
-    const bool keep = ex.top_p_trial(n, f, lo, mid, hi) >= wanted;
+    const float mass = ex.top_p_trial(n, f, lo, mid, hi);
+    const bool keep = mass >= wanted;
     if (keep) {
       lo = mid;
       found = true;
+      known.lo_known = true;
+      known.at_lo = mass;
     } else {
       hi = mid - 1u;
+      known.above_hi = mass;
     }
     ex.top_p_settle(n, keep, lo, hi);
   }

@@ -24,5 +24,19 @@ void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draf
 // used. For the tests of the exp's accuracy and of its bit-equality across ISAs.
 int verify_exp_approx(const float* x, float* y, int64_t n, int isa);
 
+// The work of verify::top_p_settling_search as one CUDA block does it (cuda/verify.cu), counted
+// on one thread: the threshold it ends on (top_p_bisect's), its tries, its histogram passes and
+// the 256-token chunks read by both (one thread's loop over a chunk in the kernel).
+struct TopPWork {
+  uint32_t threshold;
+  int tries;
+  int histograms;
+  int64_t chunk_reads;
+};
+
+// That work for a row of n weights (finite, >= 0, one at least > 0) and a wanted mass > 0, with
+// the histograms' first tries (histograms = true, as the kernel runs it) or without them.
+TopPWork top_p_search_work(const float* weights, int64_t n, float wanted, bool histograms);
+
 }  // namespace cpu
 }  // namespace sd
