@@ -119,12 +119,17 @@ def test_demo_prints_code_table_and_identical():
         "Cacheback",
         "draft model (chain, k=3)",
         "draft model (tree, k=3)",
+        "Cacheback + draft model (chain, k=3)",
     }
     assert rows["autoregressive"][-1] == "1.00x"
     assert rows["autoregressive"][-2] == "1.00"  # one token per step without a drafter
     for cells in rows.values():
         assert float(cells[-3]) > 0 and float(cells[-2]) >= 1.0
-    assert "combined: not run" in out
+    note = next(line for line in out.splitlines() if line.startswith("(last row"))
+    fallback, steps = (int(x) for x in note.split(": ")[-1].split(" steps")[0].split(" of "))
+    assert 0 < fallback < steps and steps == int(
+        round(16 / float(rows["Cacheback + draft model (chain, k=3)"][-2]))
+    )
     assert "drafters are identical to autoregressive" in out
     assert "tokens" in res.stderr  # the progress bar
 
@@ -194,7 +199,7 @@ def test_generate_streams_the_engines_output(pair, monkeypatch, capsys):
 
 
 @requires_pycode
-@pytest.mark.parametrize("drafter", ["cacheback", "model", "model-tree"])
+@pytest.mark.parametrize("drafter", ["cacheback", "model", "model-tree", "combined"])
 def test_generate_greedy_is_the_same_with_every_drafter(drafter, capsys):
     base = ["generate", PROMPT, "--max-new-tokens", "10", "--threads", "1", "--no-echo"]
     code, want, _ = run_main(base + ["--drafter", "none"], capsys)

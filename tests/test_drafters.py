@@ -271,3 +271,152 @@ def test_model_drafter_errors():
         d.start([0], [[1, 29]])
     with pytest.raises(ValueError, match="not open"):
         d.propose([0])
+
+
+class FixedDrafter:
+    """Proposes the trees it is given, one per slot, and records what it is asked and told."""
+
+    def __init__(self, trees: dict, vocab_size=None, probs: dict | None = None) -> None:
+        self.trees, self.probs = trees, probs
+        if vocab_size is not None:
+            self.vocab_size = vocab_size
+        self.asked: list[list[int]] = []
+        self.events: list[tuple] = []
+
+    def start(self, slots, prompts):
+        self.events.append(("start", list(slots)))
+
+    def observe(self, slots, committed):
+        self.events.append(("observe", list(slots), [list(c) for c in committed]))
+
+    def release(self, slots):
+        self.events.append(("release", list(slots)))
+
+    def propose(self, slots):
+        import torch
+        from specdecode.drafters import SampledDraftTree
+        from specdecode.ops import DraftTree
+
+        self.asked.append(list(slots))
+        width = max(len(self.trees[s][0]) for s in slots)
+        tokens = torch.full((len(slots), width), -1, dtype=torch.int32)
+        parents = torch.full((len(slots), width), -1, dtype=torch.int32)
+        for b, s in enumerate(slots):
+            tok, par = self.trees[s]
+            tokens[b, : len(tok)] = torch.tensor(tok, dtype=torch.int32)
+            parents[b, : len(par)] = torch.tensor(par, dtype=torch.int32)
+        num = torch.tensor([len(self.trees[s][0]) for s in slots], dtype=torch.int32)
+        if self.probs is None:
+            return DraftTree(tokens, parents, num)
+        probs = torch.zeros((len(slots), width, self.vocab_size))
+        for b, s in enumerate(slots):
+            probs[b, : len(self.probs[s])] = torch.tensor(self.probs[s])
+        return SampledDraftTree(tokens, parents, num, probs)
+
+
+def test_combined_drafter_asks_the_fallback_only_where_the_primary_has_too_little():
+    from specdecode.drafters import CombinedDrafter
+
+    primary = FixedDrafter(
+        {
+            0: ([5, 6, 7], [-1, 0, 1]),  # two drafts
+            1: ([5], [-1]),  # none
+            2: ([5, 8], [-1, 0]),  # one
+            3: ([5], [-1]),  # none, and the fallback has none either
+        }
+    )
+    fallback = FixedDrafter(
+        {1: ([5, 1, 2, 3], [-1, 0, 1, 2]), 2: ([5, 4, 4], [-1, 0, 1]), 3: ([5], [-1])}
+    )
+    d = CombinedDrafter(primary, fallback, min_drafts=2)
+    d.start([0, 1, 2, 3], [[5]] * 4)
+    tree = d.propose([0, 1, 2, 3])
+    assert fallback.asked == [[1, 2, 3]]
+    assert not hasattr(tree, "draft_probs")
+    assert tree.num_nodes.tolist() == [3, 4, 3, 1]
+    assert tree.tokens.tolist() == [
+        [5, 6, 7, -1],
+        [5, 1, 2, 3],
+        [5, 4, 4, -1],
+        [5, -1, -1, -1],
+    ]
+    assert tree.parents[:, :3].tolist() == [[-1, 0, 1], [-1, 0, 1], [-1, 0, 1], [-1, -1, -1]]
+    assert d.counts == {"primary": 2, "fallback": 2}
+    # Every row has enough: the fallback is not asked.
+    d.propose([0])
+    assert fallback.asked == [[1, 2, 3]] and d.counts == {"primary": 3, "fallback": 2}
+    d.observe([0, 1], [[6], [1, 2]])
+    d.release([0, 1, 2, 3])
+    for part in (primary, fallback):
+        assert part.events == [
+            ("start", [0, 1, 2, 3]),
+            ("observe", [0, 1], [[6], [1, 2]]),
+            ("release", [0, 1, 2, 3]),
+        ]
+
+
+def test_combined_drafter_gives_primary_rows_one_hot_distributions_beside_sampled_ones():
+    import torch
+    from specdecode.drafters import CombinedDrafter, SampledDraftTree
+
+    v = 10
+    # Slot 0: a deterministic tree with two children of the root and a grandchild under the
+    # second; slot 1: nothing from the primary, a sampled chain from the fallback.
+    primary = FixedDrafter({0: ([5, 3, 4, 9, 2], [-1, 0, 0, 2, 1]), 1: ([5], [-1])})
+    q = [[0.5] * 2 + [0.0] * 8, [0.1] * 10, [0.0] * 10]
+    fallback = FixedDrafter({1: ([5, 0, 7], [-1, 0, 1])}, vocab_size=v, probs={1: q})
+    d = CombinedDrafter(primary, fallback)
+    assert d.vocab_size == v
+    tree = d.propose([0, 1])
+    assert isinstance(tree, SampledDraftTree)
+    # Row 0 keeps its first root path 5 -> 3 -> 2, each node's child as a one-hot draft law.
+    assert tree.num_nodes.tolist() == [3, 3]
+    assert tree.tokens.shape == (2, 5) and tree.draft_probs.shape == (2, 5, v)
+    assert tree.tokens[0].tolist() == [5, 3, 2, -1, -1]
+    assert tree.parents[0].tolist() == [-1, 0, 1, -1, -1]
+    expect = torch.zeros(5, v)
+    expect[0, 3] = expect[1, 2] = 1.0
+    assert torch.equal(tree.draft_probs[0], expect)
+    assert torch.equal(tree.draft_probs[1, :3], torch.tensor(q))
+    assert not bool(tree.draft_probs[1, 3:].any())
+    assert tree.tokens[1].tolist() == [5, 0, 7, -1, -1]
+
+
+def test_combined_drafter_errors():
+    from specdecode.drafters import CombinedDrafter
+
+    a = FixedDrafter({0: ([1], [-1])}, vocab_size=10)
+    b = FixedDrafter({0: ([1], [-1])}, vocab_size=12)
+    with pytest.raises(TypeError, match="fallback: expected a Drafter"):
+        CombinedDrafter(a, object())
+    with pytest.raises(ValueError, match="two different drafters"):
+        CombinedDrafter(a, a)
+    with pytest.raises(ValueError, match="share one vocabulary"):
+        CombinedDrafter(a, b)
+    with pytest.raises(ValueError, match="min_drafts"):
+        CombinedDrafter(a, FixedDrafter({}), min_drafts=0)
+    with pytest.raises(TypeError, match="min_drafts"):
+        CombinedDrafter(a, FixedDrafter({}), min_drafts=1.5)
+
+    class FailingStart(FixedDrafter):
+        def start(self, slots, prompts):
+            raise ValueError("no room")
+
+    d = CombinedDrafter(a, FailingStart({}))
+    with pytest.raises(ValueError, match="no room"):
+        d.start([0], [[1]])
+    # The primary's slot was closed again: nothing is left open by a failed start.
+    assert a.events == [("start", [0]), ("release", [0])]
+
+
+def test_combined_cacheback_and_model_drafter_greedy_equals_the_target():
+    from reference_engine import greedy_reference
+    from specdecode.drafters import CombinedDrafter, ModelDrafter
+    from specdecode.engine import generate
+
+    target, draft = _tiny(7), _tiny(8)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5], [6, 6, 6, 6, 6], [7, 8, 9]]
+    d = CombinedDrafter(CachebackDrafter(max_sequences=4), ModelDrafter(draft, k=3))
+    out = generate(target, prompts, drafter=d, max_new_tokens=12, temperature=0.0)
+    assert out.sequences == [greedy_reference(target, p, 12) for p in prompts]
+    assert d.counts["primary"] > 0 and d.counts["fallback"] > 0, d.counts

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from reference_engine import first_tokens_distribution, greedy_reference, tiny_transformer
-from specdecode.drafters import CachebackDrafter, ModelDrafter, NoDrafter
+from specdecode.drafters import CachebackDrafter, CombinedDrafter, ModelDrafter, NoDrafter
 from specdecode.models import HFCausalLM
 
 import specdecode
@@ -60,10 +60,15 @@ def make_drafter(kind: str, draft_model: Any) -> Any:
         return ModelDrafter(draft_model, mode="chain", k=4)
     if kind == "tree":
         return ModelDrafter(draft_model, mode="tree", k=3, branch=3, beam=3, max_nodes=10)
+    if kind == "combined":
+        return CombinedDrafter(
+            CachebackDrafter(max_nodes=12, max_depth=5, max_sequences=16),
+            ModelDrafter(draft_model, mode="chain", k=4),
+        )
     raise AssertionError(kind)
 
 
-DRAFTERS = ["none", "cacheback", "chain", "tree"]
+DRAFTERS = ["none", "cacheback", "chain", "tree", "combined"]
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +226,26 @@ SAMPLE_V = 3
 DRAWS = 16000
 
 
+class OddRowsSilent:
+    """A drafter whose odd rows get no draft (the root alone): with a CombinedDrafter around it,
+    every step where the even rows have drafts mixes its deterministic trees with the fallback's
+    sampled chains in one batch. Counts those steps."""
+
+    def __init__(self, drafter: Any) -> None:
+        self.drafter = drafter
+        self.mixed_steps = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.drafter, name)
+
+    def propose(self, slots):
+        tree = self.drafter.propose(slots)
+        num = tree.num_nodes.clone()
+        num[1::2] = 1
+        self.mixed_steps += int(len(slots) > 1 and bool((num[0::2] > 1).any()))
+        return type(tree)(tree.tokens, tree.parents, num)
+
+
 @pytest.fixture(scope="module")
 def sampling_models():
     target = tiny_transformer(seed=11, vocab_size=SAMPLE_V, std=0.15, layers=1, max_length=16)
@@ -230,14 +255,21 @@ def sampling_models():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["none", "chain", "tree", "cacheback"])
+@pytest.mark.parametrize("kind", ["none", "chain", "tree", "cacheback", "combined"])
 def test_sampling_matches_the_target_distribution(kind, sampling_models):
     """Joint law of the first three tokens vs the exact target law (chi-square), and the test
-    demonstrably detects a 1% shift of probability mass with these many draws."""
+    demonstrably detects a 1% shift of probability mass with these many draws. The combined
+    drafter's steps mix rows of both drafters (n-gram trees verified with one-hot draft
+    distributions beside the draft model's sampled chains)."""
     target, draft, prompt, probs = sampling_models
     drafter = make_drafter(kind, draft)
     if kind == "cacheback":
         drafter = CachebackDrafter(max_nodes=8, max_depth=3, max_sequences=4000)
+    if kind == "combined":
+        drafter = CombinedDrafter(
+            OddRowsSilent(CachebackDrafter(max_nodes=8, max_depth=3, max_sequences=4000)),
+            ModelDrafter(draft, mode="chain", k=3),
+        )
     counts = torch.zeros(SAMPLE_V**3, dtype=torch.float64)
     per_call = 4000
     for call in range(DRAWS // per_call):
@@ -253,6 +285,8 @@ def test_sampling_matches_the_target_distribution(kind, sampling_models):
         seqs = torch.tensor(out.sequences)
         index = seqs[:, 0] * SAMPLE_V**2 + seqs[:, 1] * SAMPLE_V + seqs[:, 2]
         counts += torch.bincount(index, minlength=SAMPLE_V**3).double()
+    if kind == "combined":
+        assert drafter.primary.mixed_steps >= 2, drafter.primary.mixed_steps
     stat, dof = chi_square(counts, probs)
     assert chi_square_sf(stat, dof) > 1e-3, (stat, dof)
     # Power: 1% of the probability mass moved from the likeliest cell to a typical (median)

@@ -1263,6 +1263,33 @@ def test_top_p_keeps_exactly_the_nucleus(v, logits, top_k):
         assert torch.equal(drawn, nucleus), (v, logits, top_k, seed)
 
 
+@pytest.mark.parametrize("v", [16, 3001])
+def test_one_hot_draft_distributions_verify_as_deterministic_drafts(v):
+    """A chain verified with the one-hot law of each node's child as draft_probs gives, seed for
+    seed, the tokens of the same chain verified as deterministic drafts: accept x when u < p(x)
+    (u q(x) < p(x) with q(x) = 1), correct from p without x (max(p - q, 0) is p with x zeroed).
+    specdecode.drafters.CombinedDrafter verifies n-gram chains beside sampled drafts this way."""
+    gen = torch.Generator().manual_seed(v)
+    b, n = 2048, 4
+    for kw in (dict(), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8)):
+        rows = torch.randn(8, n, v, generator=gen) * 2
+        chain = torch.randint(0, v, (8, n), generator=gen)
+        # Each draft made likely (more so from row to row), so that every depth is reached.
+        for i in range(n - 1):
+            rows[torch.arange(8), i, chain[:, i + 1]] += 8.0 + torch.arange(8) / 2
+        target = rows.repeat(b // 8, 1, 1).contiguous()
+        tokens = chain.repeat(b // 8, 1).to(torch.int32).contiguous()
+        q = torch.zeros(b, n, v)
+        for i in range(n - 1):
+            q[torch.arange(b), i, tokens[:, i + 1].long()] = 1.0
+        s = seeds(b)
+        plain = ops.verify(target, tokens, seed=s, offset=3, **kw)
+        one_hot = ops.verify(target, tokens, draft_probs=q, seed=s, offset=3, **kw)
+        for x, y in zip(plain, one_hot):
+            assert torch.equal(x, y), kw
+        assert int(plain.num_accepted.max()) == n - 1, kw
+
+
 def threshold_of_definition(w: np.ndarray, wanted: float) -> float:
     """The largest weight t whose mass of weights >= t is at least `wanted`, in float64."""
     desc = np.sort(w.astype(np.float64))[::-1]

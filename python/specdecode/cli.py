@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Optional, Sequence, TextIO
 EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 
-DRAFTERS = ("none", "cacheback", "model", "model-tree")
+DRAFTERS = ("none", "cacheback", "model", "model-tree", "combined")
 
 # Stdlib-style function headers and docstrings: the kind of text the pycode pair was trained on,
 # and text whose continuations repeat identifiers, which is where drafting pays.
@@ -303,7 +303,19 @@ def make_drafter(kind: str, loaded: LoadedModel, draft_dir: Optional[str], k: in
         )
     if kind == "model":
         return ModelDrafter(draft, mode="chain", k=k)
+    if kind == "combined":
+        return combined_drafter(draft, k)
     return ModelDrafter(draft, mode="tree", k=k, branch=2, beam=4, max_nodes=16)
+
+
+def combined_drafter(draft: Any, k: int) -> Any:
+    """Cacheback first (its tree wherever the n-gram tables have a draft), the draft model's
+    chain of ``k`` tokens where they have none: ``--drafter combined`` and the demo's row."""
+    from .drafters import CachebackDrafter, CombinedDrafter, ModelDrafter
+
+    return CombinedDrafter(
+        CachebackDrafter(max_sequences=1), ModelDrafter(draft, mode="chain", k=k)
+    )
 
 
 def _set_threads(threads: Optional[int], small_model: bool) -> int:
@@ -459,6 +471,8 @@ class DemoRow:
     row_steps: int = 0
     seconds: float = 0.0
     outputs: List[List[int]] = dataclasses.field(default_factory=list)
+    # A CombinedDrafter's row: the steps its fallback (the draft model) drafted.
+    fallback_steps: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -535,6 +549,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             f"draft model (tree, k={k})",
             lambda: ModelDrafter(draft, mode="tree", k=k, branch=2, beam=4, max_nodes=16),
         ),
+        (f"Cacheback + draft model (chain, k={k})", lambda: combined_drafter(draft, k)),
     ]
 
     def params(model: Any) -> str:
@@ -565,10 +580,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             best = None
             for rep in range(args.repeats):
                 bar.update(0, f"prompt {i + 1}/{len(prompts)}, {name}")
+                drafter = make()
                 out = generate(
                     target,
                     [ids],
-                    drafter=make(),
+                    drafter=drafter,
                     max_new_tokens=args.max_new_tokens,
                     temperature=0.0,
                     stop_token_ids=codec.stop_ids,
@@ -578,6 +594,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     mismatched_repeats.append(f"{name}: prompt {i + 1}, repeat {rep + 1}")
                 if best is None or out.stats.wall_time < best.stats.wall_time:
                     best = out
+                    fallback_steps = getattr(drafter, "counts", {}).get("fallback", 0)
                 done += args.max_new_tokens
                 # A run that stopped early (end of sequence) still fills its share of the bar.
                 bar.update(done - bar.count)
@@ -585,6 +602,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             row.row_steps += best.stats.row_steps
             row.seconds += best.stats.wall_time
             row.outputs.append(best.sequences[0])
+            row.fallback_steps += fallback_steps
     bar.close()
 
     for i, (text, out_ids) in enumerate(zip(texts, rows[0].outputs)):
@@ -592,9 +610,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(text + codec.decode(out_ids))
     print()
     print(format_table(rows, rows[0]))
+    combined = rows[-1]
     print(
-        "draft model + Cacheback combined: not run; the engine takes one drafter per decoder "
-        "and has no combined drafter yet"
+        "(last row: Cacheback's tree where its n-gram tables have a draft, the draft model's "
+        f"chain where they have none: {combined.fallback_steps} of {combined.row_steps} steps)"
     )
     mismatches = find_mismatches(rows[0], rows[1:]) + [
         f"{line} differs from the same drafter's other runs" for line in mismatched_repeats
@@ -685,13 +704,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DRAFTERS,
         default="cacheback",
         help="none (autoregressive), cacheback (n-gram, default), model (draft model chain), "
-        "model-tree (draft model dynamic tree)",
+        "model-tree (draft model dynamic tree), combined (cacheback, and the draft model's "
+        "chain where cacheback has no draft)",
     )
     p_gen.add_argument(
         "--draft-model",
         metavar="DIR",
         default=None,
-        help="draft model directory for --drafter model/model-tree (default: the zoo pair's)",
+        help="draft model directory for --drafter model/model-tree/combined (default: the zoo "
+        "pair's)",
     )
     p_gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="(default 128)")
     p_gen.add_argument(

@@ -16,7 +16,9 @@ no node of any chain (:class:`~specdecode.engine.CostAwareBudget`); :meth:`obser
 every committed token.
 
 :class:`CachebackDrafter` implements it with Cacheback's n-gram LRU cache
-(:class:`~specdecode.ops.NGramCache`), which needs no model.
+(:class:`~specdecode.ops.NGramCache`), which needs no model; :class:`ModelDrafter` with a small
+draft model; :class:`CombinedDrafter` asks one drafter first and a second one where the first has
+nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .ops import DraftTree, NGramCache, tree_info
 
 __all__ = [
     "CachebackDrafter",
+    "CombinedDrafter",
     "Drafter",
     "ModelDrafter",
     "NoDrafter",
@@ -790,3 +793,219 @@ class ModelDrafter:
                 parents[b, i] = index[pool_par[b][node]] if node else -1
             num_nodes[b] = len(nodes)
         return DraftTree(tokens, parents, num_nodes)
+
+
+# ---- two drafters, the cheap one first ---------------------------------------------------------
+
+
+def _first_path(parents: np.ndarray, num_nodes: int) -> list[int]:
+    """The nodes of a tree's first root path (node 0, then the lowest-index child of each node
+    on it), in order; parents in parent-before-child order, ``-1`` for the root."""
+    path = [0]
+    for i in range(1, num_nodes):
+        if parents[i] == path[-1]:
+            path.append(i)
+    return path
+
+
+class CombinedDrafter:
+    """A cheap drafter first, a second one for the sequences the first has nothing for.
+
+    The usual pairing is Cacheback first (:class:`CachebackDrafter`: no model, a draft whenever
+    the sequence's recent tokens repeat an n-gram seen before) and a draft model second
+    (:class:`ModelDrafter`), which then runs only on the steps where the n-gram tables are silent.
+    Each step, every sequence takes ``primary``'s tree when it has at least ``min_drafts`` draft
+    nodes, else ``fallback``'s, which is asked for those sequences alone. Both drafters see every
+    sequence's prompt and committed tokens, so the fallback's state (a model's KV cache) catches
+    up on the steps it sat out.
+
+    Parameters
+    ----------
+    primary, fallback : Drafter
+        The two drafters (any objects of the :class:`Drafter` protocol); their vocabularies, where
+        they state one, must agree.
+    min_drafts : int
+        Draft nodes (besides the root) ``primary``'s tree needs to be taken, ``>= 1``.
+
+    Notes
+    -----
+    Lossless like its parts. When ``fallback`` samples its drafts (a :class:`SampledDraftTree`,
+    at temperature > 0) and a step mixes sequences of both drafters, the batch is verified with
+    draft distributions: a ``primary`` row gets, at each of its nodes, the one-hot distribution
+    of the node's child, under which verification accepts the child with probability ``p(x)`` and
+    corrects from ``p`` without it, exactly as for a deterministic draft. A one-hot row can name
+    one child only, so such a row keeps the first root path of its tree.
+
+    Attributes
+    ----------
+    counts : dict
+        ``{"primary": n, "fallback": n}``: how many sequence-steps took each drafter's tree since
+        construction (a step where neither has a draft counts as the primary's).
+    """
+
+    def __init__(self, primary: Any, fallback: Any, *, min_drafts: int = 1) -> None:
+        for name, drafter in (("primary", primary), ("fallback", fallback)):
+            for attr in ("start", "propose", "observe", "release"):
+                if not callable(getattr(drafter, attr, None)):
+                    raise TypeError(f"{name}: expected a Drafter, it has no {attr}() method")
+        if primary is fallback:
+            raise ValueError("primary and fallback: expected two different drafters")
+        if isinstance(min_drafts, bool) or not isinstance(min_drafts, int):
+            raise TypeError(f"min_drafts: expected an int, got {type(min_drafts).__name__}")
+        if min_drafts < 1:
+            raise ValueError(f"min_drafts: expected >= 1, got {min_drafts}")
+        vocabs = {
+            name: int(d.vocab_size)
+            for name, d in (("primary", primary), ("fallback", fallback))
+            if getattr(d, "vocab_size", None) is not None
+        }
+        if len(set(vocabs.values())) > 1:
+            raise ValueError(
+                f"primary and fallback: vocabularies of {vocabs['primary']} and "
+                f"{vocabs['fallback']} tokens; the two drafters must share one vocabulary"
+            )
+        self.primary = primary
+        self.fallback = fallback
+        self.min_drafts = min_drafts
+        self._vocab = next(iter(vocabs.values()), None)
+        self.counts = {"primary": 0, "fallback": 0}
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        return self._vocab
+
+    @property
+    def max_sequences(self) -> int:
+        caps = [getattr(d, "max_sequences", None) for d in (self.primary, self.fallback)]
+        return min((int(c) for c in caps if c is not None), default=1 << 20)
+
+    @property
+    def max_nodes(self) -> int:
+        caps = [getattr(d, "max_nodes", None) for d in (self.primary, self.fallback)]
+        return max((int(c) for c in caps if c is not None), default=ops.MAX_TREE_NODES)
+
+    # ---- protocol ------------------------------------------------------------------------------
+
+    def start(self, slots: Sequence[int], prompts: Sequence[Any]) -> None:
+        """Opens the slots in both drafters."""
+        self.primary.start(slots, prompts)
+        try:
+            self.fallback.start(slots, prompts)
+        except BaseException:
+            self.primary.release(slots)
+            raise
+
+    def configure(self, slots: Sequence[int], **sampling: Any) -> None:
+        """Hands the sequences' sampling parameters to each drafter that takes them."""
+        for drafter in (self.primary, self.fallback):
+            configure = getattr(drafter, "configure", None)
+            if callable(configure):
+                configure(slots, **sampling)
+
+    def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
+        """Hands the committed tokens to both drafters."""
+        self.primary.observe(slots, committed)
+        self.fallback.observe(slots, committed)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Closes the slots in both drafters."""
+        try:
+            self.primary.release(slots)
+        finally:
+            self.fallback.release(slots)
+
+    def propose(self, slots: Sequence[int]) -> Union[DraftTree, SampledDraftTree]:
+        """``primary``'s tree per sequence, ``fallback``'s where that has fewer than
+        ``min_drafts`` draft nodes.
+
+        Returns
+        -------
+        DraftTree or SampledDraftTree
+            int32 ``tokens`` / ``parents`` ``[B, N]`` and ``num_nodes`` ``[B]``, ``N`` the wider
+            of the two drafters' trees; a :class:`SampledDraftTree` (float32 ``draft_probs``
+            ``[B, N, V]``) when the fallback's trees carry their distributions.
+        """
+        slots_l = [int(s) for s in slots]
+        first = self.primary.propose(slots_l)
+        p_tokens = _host_tree_array(first.tokens, "primary", "tokens")
+        p_parents = _host_tree_array(first.parents, "primary", "parents")
+        p_num = _host_tree_array(first.num_nodes, "primary", "num_nodes")
+        if getattr(first, "draft_probs", None) is not None:
+            raise TypeError("primary: expected deterministic drafts (a DraftTree), got draft_probs")
+        if p_tokens.shape[0] != len(slots_l) or p_num.shape != (len(slots_l),):
+            raise ValueError(
+                f"primary: propose() returned trees for {p_tokens.shape[0]} sequences, "
+                f"expected {len(slots_l)}"
+            )
+        need = np.flatnonzero(p_num - 1 < self.min_drafts)
+        if need.size == 0:
+            self.counts["primary"] += len(slots_l)
+            return first
+        second = self.fallback.propose([slots_l[i] for i in need])
+        f_tokens = _host_tree_array(second.tokens, "fallback", "tokens")
+        f_parents = _host_tree_array(second.parents, "fallback", "parents")
+        f_num = _host_tree_array(second.num_nodes, "fallback", "num_nodes")
+        if f_tokens.shape[0] != need.size or f_num.shape != (need.size,):
+            raise ValueError(
+                f"fallback: propose() returned trees for {f_tokens.shape[0]} sequences, "
+                f"expected {need.size}"
+            )
+        # A fallback tree no larger than the primary's adds nothing (both may have none): keep the
+        # primary's.
+        use = f_num > p_num[need]
+        take = need[use]
+        self.counts["fallback"] += int(take.size)
+        self.counts["primary"] += len(slots_l) - int(take.size)
+        f_probs = getattr(second, "draft_probs", None)
+        width = max(p_tokens.shape[1], f_tokens.shape[1] if take.size else 1)
+        batch = len(slots_l)
+        tokens = np.full((batch, width), -1, dtype=np.int32)
+        parents = np.full((batch, width), -1, dtype=np.int32)
+        tokens[:, : p_tokens.shape[1]] = p_tokens
+        parents[:, : p_parents.shape[1]] = p_parents
+        num_nodes = p_num.astype(np.int32, copy=True)
+        fw = f_tokens.shape[1]
+        tokens[take] = -1
+        parents[take] = -1
+        tokens[take, :fw] = f_tokens[use]
+        parents[take, :fw] = f_parents[use]
+        num_nodes[take] = f_num[use]
+        out_tokens = torch.from_numpy(tokens)
+        out_parents = torch.from_numpy(parents)
+        if f_probs is None or take.size == 0:
+            return DraftTree(out_tokens, out_parents, torch.from_numpy(num_nodes))
+        f_probs = torch.as_tensor(f_probs)
+        vocab = int(f_probs.shape[-1])
+        probs = torch.zeros((batch, width, vocab), dtype=torch.float32)
+        probs[torch.from_numpy(take).long(), : f_probs.shape[1]] = f_probs[
+            torch.from_numpy(np.flatnonzero(use)).long()
+        ].float()
+        taken = np.zeros(batch, dtype=bool)
+        taken[take] = True
+        for b in np.flatnonzero(~taken):
+            self._one_hot_chain(b, tokens, parents, num_nodes, probs)
+        return SampledDraftTree(out_tokens, out_parents, torch.from_numpy(num_nodes), probs)
+
+    @staticmethod
+    def _one_hot_chain(
+        b: int, tokens: np.ndarray, parents: np.ndarray, num_nodes: np.ndarray, probs: torch.Tensor
+    ) -> None:
+        """Row ``b`` (a deterministic tree) cut to its first root path, in place, with the
+        one-hot distribution of each node's child as its draft distribution."""
+        path = _first_path(parents[b], int(num_nodes[b]))
+        chain = tokens[b, path].copy()
+        tokens[b] = -1
+        parents[b] = -1
+        tokens[b, : len(path)] = chain
+        parents[b, 1 : len(path)] = np.arange(len(path) - 1, dtype=np.int32)
+        num_nodes[b] = len(path)
+        for i in range(len(path) - 1):
+            probs[b, i, int(chain[i + 1])] = 1.0
+
+
+def _host_tree_array(x: Any, who: str, name: str) -> np.ndarray:
+    """A proposal's int array on the host as int32 numpy (a view where it can be)."""
+    arr = x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{who}: propose() returned {name} of dtype {arr.dtype}, expected ints")
+    return arr.astype(np.int32, copy=False)
