@@ -395,33 +395,70 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void stream_reduce8(float* part, int hr, int n, f
   }
 }
 
+// The partial score vectors of R query rows (q, D floats apart) against one key kr, into
+// out[r * kStreamKeys * 8]. Each 8-element piece of the key is loaded (and converted) once and
+// used by every row; each row keeps two FMA chains, which halves the FMA latency on its critical
+// path, so R <= 4 rows hold 2 R accumulators and the piece in registers. A row's additions are
+// those of a row taken alone (even pieces in one chain, odd in the other, then their sum).
+template <int D, int R, AttnDType DT>
+SD_TARGET_AVX2 SD_FORCE_INLINE void stream_key_rows8(const float* q, const typename Elem<DT>::T* kr,
+                                                     float* out) {
+  constexpr int CV = D / 8;
+  __m256 a0[R], a1[R];
+  const __m256 k0 = load8<DT>(kr);
+  for (int r = 0; r < R; ++r) {
+    a0[r] = _mm256_mul_ps(_mm256_loadu_ps(q + r * D), k0);
+    a1[r] = _mm256_setzero_ps();
+  }
+  for (int c = 1; c < CV; ++c) {
+    const __m256 kc = load8<DT>(kr + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      if (c & 1)
+        a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + 8 * c), kc, a1[r]);
+      else
+        a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + 8 * c), kc, a0[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(out + r * kStreamKeys * 8, _mm256_add_ps(a0[r], a1[r]));
+  }
+}
+
 // Partial score vectors of keys [0, n) of a block for every query row of `heads` KV heads (fp32
-// query rows, pre-scaled; keys converted in registers). The block's keys were hinted into L2
-// during the previous block's scores, its values during that block's P V; these scores hint the
-// next block's keys.
+// query rows, pre-scaled; keys converted in registers), kShare rows at a time. The block's keys
+// were hinted into L2 during the previous block's scores, its values during that block's P V;
+// these scores hint the next block's keys.
 template <int D, AttnDType DT>
 SD_TARGET_AVX2 void stream_partials8(const float* q, int heads, int rows,
                                      const typename Elem<DT>::T* k, int64_t rs, int64_t hs, int n,
                                      NextKeys<typename Elem<DT>::T> next, float* part) {
-  constexpr int CV = D / 8;
   constexpr int kRowBytes = D * static_cast<int>(sizeof(typename Elem<DT>::T));
+  // Each piece of a key is loaded (fp16 / bf16: converted) once for up to four rows. Against one
+  // row at a time, T = 1 at GQA 4 (B = 8 S = 4096, B = 1 S = 4096 and 16384), alternating
+  // processes: bf16 took 10-22 % less time, fp16 6-9 % less, fp32 the same within the noise
+  // (bench/RESULTS.md, tree_attention, session 16).
+  constexpr int kShare = 4;
   for (int j = 0; j < n; ++j) {
     for (int h = 0; h < heads; ++h) {
       const typename Elem<DT>::T* kr = k + j * rs + h * hs;
       next.hint(j, h, kRowBytes);
-      for (int r = 0; r < rows; ++r) {
+      for (int r = 0; r < rows; r += kShare) {
         const float* qr = q + static_cast<int64_t>(h * rows + r) * D;
-        // Two chains halve the FMA latency on the critical path.
-        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qr), load8<DT>(kr));
-        __m256 a1 = _mm256_setzero_ps();
-        for (int c = 1; c < CV; ++c) {
-          const __m256 kc = load8<DT>(kr + 8 * c);
-          if (c & 1)
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), kc, a1);
-          else
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), kc, a0);
+        float* out = part + (static_cast<int64_t>(h * rows + r) * kStreamKeys + j) * 8;
+        switch (std::min(rows - r, kShare)) {
+          case 1:
+            stream_key_rows8<D, 1, DT>(qr, kr, out);
+            break;
+          case 2:
+            stream_key_rows8<D, 2, DT>(qr, kr, out);
+            break;
+          case 3:
+            stream_key_rows8<D, 3, DT>(qr, kr, out);
+            break;
+          default:
+            stream_key_rows8<D, 4, DT>(qr, kr, out);
+            break;
         }
-        _mm256_store_ps(part + ((h * rows + r) * kStreamKeys + j) * 8, _mm256_add_ps(a0, a1));
       }
     }
   }
