@@ -434,9 +434,10 @@ SD_TARGET_AVX2 void stream_partials8(const float* q, int heads, int rows,
                                      NextKeys<typename Elem<DT>::T> next, float* part) {
   constexpr int kRowBytes = D * static_cast<int>(sizeof(typename Elem<DT>::T));
   // Each piece of a key is loaded (fp16 / bf16: converted) once for up to four rows. Against one
-  // row at a time, T = 1 at GQA 4 (B = 8 S = 4096, B = 1 S = 4096 and 16384), alternating
-  // processes: bf16 took 10-22 % less time, fp16 6-9 % less, fp32 the same within the noise
-  // (bench/RESULTS.md, tree_attention, session 16).
+  // row at a time, T = 1 at GQA 4 (B = 8 S = 4096, B = 1 S = 4096 and 16384), back-to-back calls
+  // in alternating processes: bf16 took 10-22 % less time, fp16 6-9 % less, fp32 the same within
+  // the noise; with cold caches bf16 B = 8 S = 4096 took 6 % less (bench/RESULTS.md,
+  // tree_attention, session 16).
   constexpr int kShare = 4;
   for (int j = 0; j < n; ++j) {
     for (int h = 0; h < heads; ++h) {
