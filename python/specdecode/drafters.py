@@ -242,6 +242,14 @@ class CachebackDrafter:
         self._open[slots_arr] = False
 
 
+def _host_int32(x: Any) -> np.ndarray:
+    """A drafter's int output (numpy array, torch tensor on any device, nested list) as a
+    C-contiguous int32 numpy array on the host."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x, dtype=np.int32)
+    return np.ascontiguousarray(torch.as_tensor(x).to("cpu", torch.int32).numpy())
+
+
 def longest_accepted_path(tree: DraftTree, row: int, continuation: Sequence[int]) -> list[int]:
     """The longest root path of a draft tree that matches a known continuation (greedy replay).
 
@@ -927,9 +935,9 @@ class CombinedDrafter:
         """
         slots_l = [int(s) for s in slots]
         first = self.primary.propose(slots_l)
-        p_tokens = _host_tree_array(first.tokens, "primary", "tokens")
-        p_parents = _host_tree_array(first.parents, "primary", "parents")
-        p_num = _host_tree_array(first.num_nodes, "primary", "num_nodes")
+        p_tokens = _host_int32(first.tokens)
+        p_parents = _host_int32(first.parents)
+        p_num = _host_int32(first.num_nodes)
         if getattr(first, "draft_probs", None) is not None:
             raise TypeError("primary: expected deterministic drafts (a DraftTree), got draft_probs")
         if p_tokens.shape[0] != len(slots_l) or p_num.shape != (len(slots_l),):
@@ -942,9 +950,9 @@ class CombinedDrafter:
             self.counts["primary"] += len(slots_l)
             return first
         second = self.fallback.propose([slots_l[i] for i in need])
-        f_tokens = _host_tree_array(second.tokens, "fallback", "tokens")
-        f_parents = _host_tree_array(second.parents, "fallback", "parents")
-        f_num = _host_tree_array(second.num_nodes, "fallback", "num_nodes")
+        f_tokens = _host_int32(second.tokens)
+        f_parents = _host_int32(second.parents)
+        f_num = _host_int32(second.num_nodes)
         if f_tokens.shape[0] != need.size or f_num.shape != (need.size,):
             raise ValueError(
                 f"fallback: propose() returned trees for {f_tokens.shape[0]} sequences, "
@@ -1001,11 +1009,3 @@ class CombinedDrafter:
         num_nodes[b] = len(path)
         for i in range(len(path) - 1):
             probs[b, i, int(chain[i + 1])] = 1.0
-
-
-def _host_tree_array(x: Any, who: str, name: str) -> np.ndarray:
-    """A proposal's int array on the host as int32 numpy (a view where it can be)."""
-    arr = x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{who}: propose() returned {name} of dtype {arr.dtype}, expected ints")
-    return arr.astype(np.int32, copy=False)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from . import ops
-from .drafters import Drafter, NoDrafter
+from .drafters import Drafter, NoDrafter, _host_int32
 
 __all__ = [
     "AdaptiveBudget",
@@ -1501,14 +1501,6 @@ class SpeculativeDecoder:
         finished = [b for b in active if state.done[b]]
         if finished:
             self.drafter.release(finished)
-
-
-def _host_int32(x: Any) -> np.ndarray:
-    """A drafter's int output (numpy array, torch tensor on any device, nested list) as a
-    C-contiguous int32 numpy array on the host."""
-    if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x, dtype=np.int32)
-    return np.ascontiguousarray(torch.as_tensor(x).to("cpu", torch.int32).numpy())
 
 
 def _prune(
