@@ -39,14 +39,15 @@ void check_output(const Array& out, const Array& like, std::initializer_list<int
       .expect_same_device(like);
 }
 
-void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle tokens_obj,
-                    py::handle parents_obj, py::handle num_nodes_obj, py::handle allow_obj,
-                    py::handle temperature_obj, py::handle top_k_obj, py::handle top_p_obj,
-                    py::handle seed_obj, py::handle offset_obj, bool logits, int method, float eps,
-                    float alpha, int topk_accept, bool correction_from_target, int max_depth,
-                    py::handle emitted_obj, py::handle num_emitted_obj, py::handle path_obj,
-                    py::handle status_obj, py::handle num_accepted_obj, std::intptr_t stream,
-                    py::handle workspace_obj, int final_slices) {
+void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle draft_deterministic_obj,
+                    py::handle tokens_obj, py::handle parents_obj, py::handle num_nodes_obj,
+                    py::handle allow_obj, py::handle temperature_obj, py::handle top_k_obj,
+                    py::handle top_p_obj, py::handle seed_obj, py::handle offset_obj, bool logits,
+                    int method, float eps, float alpha, int topk_accept,
+                    bool correction_from_target, int max_depth, py::handle emitted_obj,
+                    py::handle num_emitted_obj, py::handle path_obj, py::handle status_obj,
+                    py::handle num_accepted_obj, std::intptr_t stream, py::handle workspace_obj,
+                    int final_slices) {
   Array target = Array::from_python(target_obj, "target");
   target.expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16})
       .expect_ndim(3)
@@ -64,6 +65,15 @@ void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle toke
   if (draft) {
     draft->expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16})
         .expect_shape({batch, n, vocab}, {"B", "N", "V"})
+        .expect_contiguous()
+        .expect_same_device(target);
+  }
+  std::optional<Array> draft_deterministic =
+      optional_array(draft_deterministic_obj, "draft_deterministic");
+  if (draft_deterministic) {
+    if (!draft) throw_value_error("draft_deterministic: only meaningful with draft_probs");
+    draft_deterministic->expect_dtype({DType::kBool, DType::kUInt8})
+        .expect_shape({batch}, {"B"})
         .expect_contiguous()
         .expect_same_device(target);
   }
@@ -118,6 +128,7 @@ void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle toke
   verify::VerifyArgs args{};
   args.target = target.raw();
   args.draft = draft ? draft->raw() : nullptr;
+  args.draft_deterministic = draft_deterministic ? draft_deterministic->data<uint8_t>() : nullptr;
   args.tokens = tokens.data<int32_t>();
   args.parents = parents ? parents->data<int32_t>() : nullptr;
   args.num_nodes = num_nodes ? num_nodes->data<int32_t>() : nullptr;
@@ -241,13 +252,14 @@ void canonical_chunk_sums_binding(py::handle values_obj, py::handle out_obj, boo
 }  // namespace
 
 void register_verify_ops(py::module_& m) {
-  m.def("verify", &verify_binding, py::arg("target"), py::arg("draft"), py::arg("tokens"),
-        py::arg("parents"), py::arg("num_nodes"), py::arg("allow"), py::arg("temperature"),
-        py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("offset"), py::arg("logits"),
-        py::arg("method"), py::arg("eps"), py::arg("alpha"), py::arg("topk_accept"),
-        py::arg("correction_from_target"), py::arg("max_depth"), py::arg("emitted"),
-        py::arg("num_emitted"), py::arg("path"), py::arg("status"), py::arg("num_accepted"),
-        py::arg("stream") = 0, py::arg("workspace") = py::none(), py::arg("final_slices") = 0,
+  m.def("verify", &verify_binding, py::arg("target"), py::arg("draft"),
+        py::arg("draft_deterministic"), py::arg("tokens"), py::arg("parents"), py::arg("num_nodes"),
+        py::arg("allow"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+        py::arg("seed"), py::arg("offset"), py::arg("logits"), py::arg("method"), py::arg("eps"),
+        py::arg("alpha"), py::arg("topk_accept"), py::arg("correction_from_target"),
+        py::arg("max_depth"), py::arg("emitted"), py::arg("num_emitted"), py::arg("path"),
+        py::arg("status"), py::arg("num_accepted"), py::arg("stream") = 0,
+        py::arg("workspace") = py::none(), py::arg("final_slices") = 0,
         "Verifies draft trees against target rows; fills the outputs in place. CUDA inputs need "
         "a uint8 workspace of verify_workspace_bytes(B, V) bytes and final_slices >= 1.");
   m.def(

@@ -355,7 +355,7 @@ def test_combined_drafter_asks_the_fallback_only_where_the_primary_has_too_littl
         ]
 
 
-def test_combined_drafter_gives_primary_rows_one_hot_distributions_beside_sampled_ones():
+def test_combined_drafter_flags_primary_rows_deterministic_beside_sampled_ones():
     import torch
     from specdecode.drafters import CombinedDrafter, SampledDraftTree
 
@@ -369,14 +369,14 @@ def test_combined_drafter_gives_primary_rows_one_hot_distributions_beside_sample
     assert d.vocab_size == v
     tree = d.propose([0, 1])
     assert isinstance(tree, SampledDraftTree)
-    # Row 0 keeps its first root path 5 -> 3 -> 2, each node's child as a one-hot draft law.
-    assert tree.num_nodes.tolist() == [3, 3]
+    # Row 0 keeps its whole tree, flagged deterministic (its draft rows are not read: zeros).
+    assert tree.draft_deterministic.dtype == torch.bool
+    assert tree.draft_deterministic.tolist() == [True, False]
+    assert tree.num_nodes.tolist() == [5, 3]
     assert tree.tokens.shape == (2, 5) and tree.draft_probs.shape == (2, 5, v)
-    assert tree.tokens[0].tolist() == [5, 3, 2, -1, -1]
-    assert tree.parents[0].tolist() == [-1, 0, 1, -1, -1]
-    expect = torch.zeros(5, v)
-    expect[0, 3] = expect[1, 2] = 1.0
-    assert torch.equal(tree.draft_probs[0], expect)
+    assert tree.tokens[0].tolist() == [5, 3, 4, 9, 2]
+    assert tree.parents[0].tolist() == [-1, 0, 0, 2, 1]
+    assert not bool(tree.draft_probs[0].any())
     assert torch.equal(tree.draft_probs[1, :3], torch.tensor(q))
     assert not bool(tree.draft_probs[1, 3:].any())
     assert tree.tokens[1].tolist() == [5, 0, 7, -1, -1]

@@ -229,11 +229,13 @@ DRAWS = 16000
 class OddRowsSilent:
     """A drafter whose odd rows get no draft (the root alone): with a CombinedDrafter around it,
     every step where the even rows have drafts mixes its deterministic trees with the fallback's
-    sampled chains in one batch. Counts those steps."""
+    sampled chains in one batch. Counts those steps, and those among them where an even row's
+    tree branches (a node with two children: deterministic siblings beside sampled rows)."""
 
     def __init__(self, drafter: Any) -> None:
         self.drafter = drafter
         self.mixed_steps = 0
+        self.branching_mixed_steps = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.drafter, name)
@@ -242,8 +244,37 @@ class OddRowsSilent:
         tree = self.drafter.propose(slots)
         num = tree.num_nodes.clone()
         num[1::2] = 1
-        self.mixed_steps += int(len(slots) > 1 and bool((num[0::2] > 1).any()))
+        mixed = len(slots) > 1 and bool((num[0::2] > 1).any())
+        self.mixed_steps += int(mixed)
+        if mixed:
+            parents = tree.parents[0::2].numpy()
+            valid = np.arange(parents.shape[1])[None, :] < num[0::2].numpy()[:, None]
+            branching = any(
+                np.bincount(row[ok & (row >= 0)]).max(initial=0) >= 2
+                for row, ok in zip(parents, valid)
+            )
+            self.branching_mixed_steps += int(branching)
         return type(tree)(tree.tokens, tree.parents, num)
+
+
+class FixedBranches:
+    """Proposes one deterministic tree with siblings for every sequence: the root's children 0
+    and 1, then 2 under the first and 0 under the second."""
+
+    def start(self, slots, prompts):
+        pass
+
+    def observe(self, slots, committed):
+        pass
+
+    def release(self, slots):
+        pass
+
+    def propose(self, slots):
+        b = len(slots)
+        tokens = torch.tensor([[0, 0, 1, 2, 0]] * b, dtype=torch.int32)
+        parents = torch.tensor([[-1, 0, 0, 1, 2]] * b, dtype=torch.int32)
+        return specdecode.ops.DraftTree(tokens, parents, torch.full((b,), 5, dtype=torch.int32))
 
 
 @pytest.fixture(scope="module")
@@ -255,21 +286,26 @@ def sampling_models():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["none", "chain", "tree", "cacheback", "combined"])
+@pytest.mark.parametrize(
+    "kind", ["none", "chain", "tree", "cacheback", "combined", "combined-branching"]
+)
 def test_sampling_matches_the_target_distribution(kind, sampling_models):
     """Joint law of the first three tokens vs the exact target law (chi-square), and the test
     demonstrably detects a 1% shift of probability mass with these many draws. The combined
-    drafter's steps mix rows of both drafters (n-gram trees verified with one-hot draft
-    distributions beside the draft model's sampled chains)."""
+    drafters' steps mix rows of both drafters: deterministic trees (n-gram chains, or trees with
+    siblings) verified through draft_deterministic beside the draft model's sampled chains."""
     target, draft, prompt, probs = sampling_models
-    drafter = make_drafter(kind, draft)
     if kind == "cacheback":
         drafter = CachebackDrafter(max_nodes=8, max_depth=3, max_sequences=4000)
-    if kind == "combined":
-        drafter = CombinedDrafter(
-            OddRowsSilent(CachebackDrafter(max_nodes=8, max_depth=3, max_sequences=4000)),
-            ModelDrafter(draft, mode="chain", k=3),
+    elif kind.startswith("combined"):
+        primary = (
+            FixedBranches()
+            if kind == "combined-branching"
+            else CachebackDrafter(max_nodes=8, max_depth=3, max_sequences=4000)
         )
+        drafter = CombinedDrafter(OddRowsSilent(primary), ModelDrafter(draft, mode="chain", k=3))
+    else:
+        drafter = make_drafter(kind, draft)
     counts = torch.zeros(SAMPLE_V**3, dtype=torch.float64)
     per_call = 4000
     for call in range(DRAWS // per_call):
@@ -285,8 +321,10 @@ def test_sampling_matches_the_target_distribution(kind, sampling_models):
         seqs = torch.tensor(out.sequences)
         index = seqs[:, 0] * SAMPLE_V**2 + seqs[:, 1] * SAMPLE_V + seqs[:, 2]
         counts += torch.bincount(index, minlength=SAMPLE_V**3).double()
-    if kind == "combined":
+    if kind.startswith("combined"):
         assert drafter.primary.mixed_steps >= 2, drafter.primary.mixed_steps
+    if kind == "combined-branching":
+        assert drafter.primary.branching_mixed_steps >= 2, drafter.primary.branching_mixed_steps
     stat, dof = chi_square(counts, probs)
     assert chi_square_sf(stat, dof) > 1e-3, (stat, dof)
     # Power: 1% of the probability mass moved from the likeliest cell to a typical (median)

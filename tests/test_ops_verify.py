@@ -1043,6 +1043,7 @@ def test_custom_op_opcheck():
         None,
         None,
         torch.softmax(torch.randn(b, n, v, generator=gen), -1),
+        torch.tensor([True, False]),  # draft_deterministic
         None,
         torch.ones(b),
         torch.zeros(b, dtype=torch.int32),
@@ -1268,7 +1269,7 @@ def test_one_hot_draft_distributions_verify_as_deterministic_drafts(v):
     """A chain verified with the one-hot law of each node's child as draft_probs gives, seed for
     seed, the tokens of the same chain verified as deterministic drafts: accept x when u < p(x)
     (u q(x) < p(x) with q(x) = 1), correct from p without x (max(p - q, 0) is p with x zeroed).
-    specdecode.drafters.CombinedDrafter verifies n-gram chains beside sampled drafts this way."""
+    (A batch mixing such drafts with sampled ones says so directly with draft_deterministic.)"""
     gen = torch.Generator().manual_seed(v)
     b, n = 2048, 4
     for kw in (dict(), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8)):
@@ -1288,6 +1289,107 @@ def test_one_hot_draft_distributions_verify_as_deterministic_drafts(v):
         for x, y in zip(plain, one_hot):
             assert torch.equal(x, y), kw
         assert int(plain.num_accepted.max()) == n - 1, kw
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(temperature=0.7, top_k=9),
+        dict(top_p=0.8),
+        dict(method="relaxed", eps=0.3),
+        dict(method="greedy"),
+        dict(method="typical"),
+    ],
+)
+def test_draft_deterministic_rows_verify_as_without_draft_probs(kw):
+    """A batch mixing sampled and deterministic drafts (CombinedDrafter's): each sequence flagged
+    in draft_deterministic gives, seed for seed, what it gives verified with draft_probs=None,
+    trees with deterministic siblings included, though its draft rows are NaN (never read: no
+    status); every other sequence what it gives with the draft rows."""
+    gen = torch.Generator().manual_seed(41)
+    b, n, v = 64, 7, 40
+    target = torch.randn(b, n, v, generator=gen) * 2
+    tokens = torch.randint(0, v, (b, n), generator=gen).to(torch.int32)
+    # Make the drafts likely so that the walks go deep and meet several siblings.
+    for i in range(1, n):
+        target[torch.arange(b), (i - 1) // 2, tokens[:, i].long()] += 2.5
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2], dtype=torch.int32).expand(b, n).contiguous()
+    q = torch.softmax(torch.randn(b, n, v, generator=gen) * 2, -1)
+    flagged = torch.rand(b, generator=gen) < 0.5
+    q_mixed = q.clone()
+    q_mixed[flagged] = float("nan")
+    s = seeds(b)
+    mixed = ops.verify(
+        target,
+        tokens,
+        parents=parents,
+        draft_probs=q_mixed,
+        draft_deterministic=flagged,
+        seed=s,
+        offset=5,
+        **kw,
+    )
+    plain = ops.verify(target, tokens, parents=parents, seed=s, offset=5, **kw)
+    sampled = ops.verify(target, tokens, parents=parents, draft_probs=q, seed=s, offset=5, **kw)
+    assert int(mixed.status.abs().sum()) == 0
+    for name, x, p_, q_ in zip(mixed._fields, mixed, plain, sampled):
+        assert torch.equal(x[flagged], p_[flagged]), (name, kw)
+        assert torch.equal(x[~flagged], q_[~flagged]), (name, kw)
+    if kw.get("method", "exact") in ("exact", "relaxed"):
+        # The two laws differ, so some sequence must tell a reading of q from the deterministic
+        # rule (else this test could not catch the flag being ignored or misapplied).
+        assert not torch.equal(plain.emitted, sampled.emitted)
+    # A scalar flags every sequence; uint8 works as bool.
+    every = ops.verify(
+        target,
+        tokens,
+        parents=parents,
+        draft_probs=q_mixed,
+        draft_deterministic=True,
+        seed=s,
+        offset=5,
+        **kw,
+    )
+    as_uint8 = ops.verify(
+        target,
+        tokens,
+        parents=parents,
+        draft_probs=q_mixed,
+        draft_deterministic=flagged.to(torch.uint8),
+        seed=s,
+        offset=5,
+        **kw,
+    )
+    for x, p_ in zip(every, plain):
+        assert torch.equal(x, p_)
+    for x, y in zip(mixed, as_uint8):
+        assert torch.equal(x, y)
+
+
+def test_draft_deterministic_refuses_bad_input():
+    target = torch.randn(3, 2, 10)
+    tokens = torch.ones(3, 2, dtype=torch.int32)
+    q = torch.full((3, 2, 10), 0.1)
+    with pytest.raises(ValueError, match="draft_deterministic: only meaningful with draft_probs"):
+        ops.verify(
+            target, tokens, draft_deterministic=torch.ones(3, dtype=torch.bool), seed=0, offset=0
+        )
+    with pytest.raises(ValueError, match=r"draft_deterministic: expected a bool or shape \[B\]"):
+        ops.verify(
+            target,
+            tokens,
+            draft_probs=q,
+            draft_deterministic=torch.ones(2, dtype=torch.bool),
+            seed=0,
+            offset=0,
+        )
+    with pytest.raises(TypeError, match="draft_deterministic: expected bool"):
+        ops.verify(
+            target, tokens, draft_probs=q, draft_deterministic=torch.ones(3), seed=0, offset=0
+        )
+    with pytest.raises(TypeError, match="draft_deterministic: expected"):
+        ops.verify(target, tokens, draft_probs=q, draft_deterministic=1, seed=0, offset=0)
 
 
 def threshold_of_definition(w: np.ndarray, wanted: float) -> float:
@@ -1408,6 +1510,9 @@ def backend_parity_cases(gen: torch.Generator, v: int, b: int, n: int, dtype: to
     allow[: (b + 1) // 2] = True  # these rows reach a leaf: the bonus token
     bad_q = q.clone()
     bad_q[0, 0, v // 2] = float("nan")  # met by the final residual's sums
+    deterministic = torch.arange(b) % 3 == 1
+    mixed_q = q.clone()
+    mixed_q[deterministic] = float("nan")
     cases = [
         dict(),
         dict(draft_probs=q),
@@ -1421,6 +1526,8 @@ def backend_parity_cases(gen: torch.Generator, v: int, b: int, n: int, dtype: to
         dict(draft_probs=torch.ones_like(q), parents=parents),
         dict(draft_probs=bad_q),
         dict(draft_probs=q, temperature=torch.linspace(0.0, 1.5, b)),  # greedy rows among them
+        # Sampled and deterministic trees in one batch; the deterministic rows' q is never read.
+        dict(draft_probs=mixed_q, draft_deterministic=deterministic, parents=parents),
     ]
     return logits, tokens, cases
 

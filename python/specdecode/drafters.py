@@ -304,12 +304,17 @@ class SampledDraftTree(NamedTuple):
     draft_probs : torch.Tensor
         float32 ``[B, N, V]``: row ``[b, i]`` is the distribution node ``i``'s children were
         sampled from (zeros for leaves, whose rows are never read).
+    draft_deterministic : torch.Tensor or None
+        bool ``[B]``: True for a sequence whose children were chosen deterministically although
+        the batch carries ``draft_probs`` (:class:`CombinedDrafter` mixing its two drafters);
+        its rows of ``draft_probs`` are not read. None (default): every sequence sampled.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     num_nodes: torch.Tensor
     draft_probs: torch.Tensor
+    draft_deterministic: Optional[torch.Tensor] = None
 
 
 # ---- the autoregressive baseline ----------------------------------------------------------------
@@ -806,16 +811,6 @@ class ModelDrafter:
 # ---- two drafters, the cheap one first ---------------------------------------------------------
 
 
-def _first_path(parents: np.ndarray, num_nodes: int) -> list[int]:
-    """The nodes of a tree's first root path (node 0, then the lowest-index child of each node
-    on it), in order; parents in parent-before-child order, ``-1`` for the root."""
-    path = [0]
-    for i in range(1, num_nodes):
-        if parents[i] == path[-1]:
-            path.append(i)
-    return path
-
-
 class CombinedDrafter:
     """A cheap drafter first, a second one for the sequences the first has nothing for.
 
@@ -839,10 +834,9 @@ class CombinedDrafter:
     -----
     Lossless like its parts. When ``fallback`` samples its drafts (a :class:`SampledDraftTree`,
     at temperature > 0) and a step mixes sequences of both drafters, the batch is verified with
-    draft distributions: a ``primary`` row gets, at each of its nodes, the one-hot distribution
-    of the node's child, under which verification accepts the child with probability ``p(x)`` and
-    corrects from ``p`` without it, exactly as for a deterministic draft. A one-hot row can name
-    one child only, so such a row keeps the first root path of its tree.
+    ``draft_probs`` for the fallback's rows and ``draft_deterministic`` set for the primary's,
+    which :func:`specdecode.ops.verify` then verifies as deterministic drafts, whole trees with
+    their siblings, without reading a draft distribution for them.
 
     Attributes
     ----------
@@ -931,7 +925,8 @@ class CombinedDrafter:
         DraftTree or SampledDraftTree
             int32 ``tokens`` / ``parents`` ``[B, N]`` and ``num_nodes`` ``[B]``, ``N`` the wider
             of the two drafters' trees; a :class:`SampledDraftTree` (float32 ``draft_probs``
-            ``[B, N, V]``) when the fallback's trees carry their distributions.
+            ``[B, N, V]``, and ``draft_deterministic`` bool ``[B]`` True for the primary's rows)
+            when the fallback's trees carry their distributions.
         """
         slots_l = [int(s) for s in slots]
         first = self.primary.propose(slots_l)
@@ -988,24 +983,8 @@ class CombinedDrafter:
         probs[torch.from_numpy(take).long(), : f_probs.shape[1]] = f_probs[
             torch.from_numpy(np.flatnonzero(use)).long()
         ].float()
-        taken = np.zeros(batch, dtype=bool)
-        taken[take] = True
-        for b in np.flatnonzero(~taken):
-            self._one_hot_chain(b, tokens, parents, num_nodes, probs)
-        return SampledDraftTree(out_tokens, out_parents, torch.from_numpy(num_nodes), probs)
-
-    @staticmethod
-    def _one_hot_chain(
-        b: int, tokens: np.ndarray, parents: np.ndarray, num_nodes: np.ndarray, probs: torch.Tensor
-    ) -> None:
-        """Row ``b`` (a deterministic tree) cut to its first root path, in place, with the
-        one-hot distribution of each node's child as its draft distribution."""
-        path = _first_path(parents[b], int(num_nodes[b]))
-        chain = tokens[b, path].copy()
-        tokens[b] = -1
-        parents[b] = -1
-        tokens[b, : len(path)] = chain
-        parents[b, 1 : len(path)] = np.arange(len(path) - 1, dtype=np.int32)
-        num_nodes[b] = len(path)
-        for i in range(len(path) - 1):
-            probs[b, i, int(chain[i + 1])] = 1.0
+        deterministic = torch.ones(batch, dtype=torch.bool)
+        deterministic[torch.from_numpy(take).long()] = False
+        return SampledDraftTree(
+            out_tokens, out_parents, torch.from_numpy(num_nodes), probs, deterministic
+        )

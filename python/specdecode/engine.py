@@ -229,6 +229,7 @@ class _Tree:
     parents: torch.Tensor  # int32 [B, N]
     num_nodes: torch.Tensor  # int32 [B]
     draft_probs: Optional[torch.Tensor]  # float [B, N, V] or None
+    draft_deterministic: Optional[torch.Tensor]  # bool [B] or None (with draft_probs only)
     depth: torch.Tensor  # int32 [B, N], -1 padding
     mask: torch.Tensor  # uint32 [B, N, W]
 
@@ -1381,6 +1382,18 @@ class SpeculativeDecoder:
                 )
             full_probs = torch.zeros((batch, width, vocab), dtype=probs.dtype)
             full_probs[torch.tensor(act, dtype=torch.int64)] = probs.cpu()
+        deterministic = getattr(proposal, "draft_deterministic", None)
+        full_deterministic = None
+        if deterministic is not None and full_probs is not None:
+            deterministic = torch.as_tensor(deterministic).cpu()
+            if deterministic.dtype != torch.bool or tuple(deterministic.shape) != (len(active),):
+                raise ValueError(
+                    f"drafter: draft_deterministic is {deterministic.dtype} of shape "
+                    f"{list(deterministic.shape)}, expected bool [{len(active)}]"
+                )
+            # Finished rows have root-only trees, which read no draft row either way.
+            full_deterministic = torch.ones(batch, dtype=torch.bool)
+            full_deterministic[torch.tensor(act, dtype=torch.int64)] = deterministic
         # Depth limit: a step emits at most depth + 1 tokens, so drafting past the remaining
         # budget is wasted (and could run past the target's max length). 0 for finished rows.
         depth_limit = np.zeros(batch, dtype=np.int32)
@@ -1401,7 +1414,16 @@ class SpeculativeDecoder:
             depth = np.where(fits, depth, -1).astype(np.int32)
             chosen = per_row(fits.sum(axis=1).astype(np.int32), depth)
             node_limit = np.minimum(np.asarray(chosen, dtype=np.int64), max(limit, 1))
-        return _prune(tokens, parents, num_nodes, full_probs, depth_limit, node_limit, info)
+        return _prune(
+            tokens,
+            parents,
+            num_nodes,
+            full_probs,
+            depth_limit,
+            node_limit,
+            info,
+            full_deterministic,
+        )
 
     def _tree_input(self, cache: Any, tree: _Tree) -> tuple[torch.Tensor, torch.Tensor]:
         """Target input over the trees: padding nodes become token 0 at the root's position
@@ -1435,6 +1457,11 @@ class SpeculativeDecoder:
             parents=tree.parents.to(device),
             num_nodes=tree.num_nodes.to(device),
             draft_probs=None if probs is None else probs.to(device, torch.float32).contiguous(),
+            draft_deterministic=(
+                None
+                if probs is None or tree.draft_deterministic is None
+                else tree.draft_deterministic.to(device)
+            ),
             **state.sampling_parameters(device),
             offset=offset.to(device),
             method=self.method,
@@ -1511,6 +1538,7 @@ def _prune(
     depth_limit: Union[torch.Tensor, np.ndarray],
     node_limit: Union[int, torch.Tensor, np.ndarray],
     info: Optional[ops.TreeInfo] = None,
+    deterministic: Optional[torch.Tensor] = None,
 ) -> _Tree:
     """Keeps the nodes of each tree within its depth limit and the first ``node_limit`` nodes
     (an int for every row, or int ``[B]`` per row; at least the root is kept).
@@ -1518,13 +1546,14 @@ def _prune(
     Both conditions keep a set closed under ancestors (a parent is shallower than and precedes
     its children), so the kept nodes, renumbered in their original order, form a valid tree.
     The index arithmetic runs on numpy (int32 ``[B, N]`` arrays; torch CPU tensors are read
-    without a copy); the returned :class:`_Tree` holds torch tensors.
+    without a copy); the returned :class:`_Tree` holds torch tensors. ``deterministic`` (bool
+    ``[B]``, per row) passes through unchanged.
     """
     tokens_np = np.asarray(tokens, dtype=np.int32)
     parents_np = np.ascontiguousarray(parents, dtype=np.int32)
     num_np = np.asarray(num_nodes, dtype=np.int32)
     if _keeps_roots_only(node_limit, depth_limit):
-        return _root_tree(tokens_np, probs)
+        return _root_tree(tokens_np, probs, deterministic)
     if info is None:
         info = ops.tree_info(parents_np)
     depth = info.depth.numpy()
@@ -1546,6 +1575,7 @@ def _prune(
             torch.from_numpy(parents_np),
             torch.from_numpy(num_np),
             probs,
+            deterministic,
             info.depth,
             info.mask,
         )
@@ -1569,6 +1599,7 @@ def _prune(
         torch.from_numpy(new_parents),
         info.num_nodes,
         new_probs,
+        deterministic,
         info.depth,
         info.mask,
     )
@@ -1586,7 +1617,11 @@ def _keeps_roots_only(
     return int(depth_limit.max()) <= 0 or int(np.max(np.asarray(node_limit))) <= 1
 
 
-def _root_tree(tokens: np.ndarray, probs: Optional[torch.Tensor]) -> _Tree:
+def _root_tree(
+    tokens: np.ndarray,
+    probs: Optional[torch.Tensor],
+    deterministic: Optional[torch.Tensor] = None,
+) -> _Tree:
     """The root-only trees of ``tokens`` (int32 ``[B, N]``): node 0 of every row, depth 0, the
     mask of a node that sees itself. Built without the tree kernel, which would only confirm
     this."""
@@ -1596,6 +1631,7 @@ def _root_tree(tokens: np.ndarray, probs: Optional[torch.Tensor]) -> _Tree:
         torch.full((batch, 1), -1, dtype=torch.int32),
         torch.ones(batch, dtype=torch.int32),
         None if probs is None else probs[:, :1],
+        deterministic,
         torch.zeros((batch, 1), dtype=torch.int32),
         torch.ones((batch, 1, 1), dtype=torch.uint32),
     )

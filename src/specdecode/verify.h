@@ -1007,8 +1007,11 @@ struct HeavierThan {
 // ---- the arguments of a call, and the walk's helpers ----------------------------------------
 
 struct VerifyArgs {
-  const void* target;        // [B, N, V] logits or probabilities
-  const void* draft;         // [B, N, V] or null
+  const void* target;  // [B, N, V] logits or probabilities
+  const void* draft;   // [B, N, V] or null
+  // [B] or null: 1 where sequence b's children were chosen deterministically although `draft`
+  // is given (a batch that mixes sampled and deterministic drafts); draft[b] is then not read.
+  const uint8_t* draft_deterministic;
   const int32_t* tokens;     // [B, N]
   const int32_t* parents;    // [B, N] or null (chains)
   const int32_t* num_nodes;  // [B] or null
@@ -1160,9 +1163,19 @@ SD_HD_INLINE RowWeight<T> final_row_weight(const VerifyArgs& a, int64_t row_inde
                       fd.wmin, rows.chunk_max, rows.chunk_scale};
 }
 
+// Sequence b's draft rows [N, V], or null where its children were chosen deterministically (no
+// draft, or a row flagged in draft_deterministic): the walk's rules and the final draw's forms
+// follow from this alone.
 template <class Q>
-SD_HD_INLINE const Q* final_draft_row(const VerifyArgs& a, int64_t row_index) {
-  return a.draft ? static_cast<const Q*>(a.draft) + row_index * a.vocab : nullptr;
+SD_HD_INLINE const Q* sequence_draft(const VerifyArgs& a, int64_t b) {
+  if (!a.draft || (a.draft_deterministic && a.draft_deterministic[b])) return nullptr;
+  return static_cast<const Q*>(a.draft) + b * a.n * a.vocab;
+}
+
+template <class Q>
+SD_HD_INLINE const Q* final_draft_row(const VerifyArgs& a, int64_t b, int node) {
+  const Q* draft = sequence_draft<Q>(a, b);
+  return draft ? draft + static_cast<int64_t>(node) * a.vocab : nullptr;
 }
 
 // ---- the walk (phase 1) -----------------------------------------------------------------------
@@ -1224,7 +1237,7 @@ SD_HOST_DEVICE void walk_sequence(Ex& ex, const VerifyArgs& a, int64_t b, FinalD
   }
   const uint8_t* allow = a.allow ? a.allow + b * n : nullptr;
   const T* target = static_cast<const T*>(a.target);
-  const Q* draft = static_cast<const Q*>(a.draft);
+  const Q* draft = sequence_draft<Q>(a, b);
 
   SeqParams sp;
   const float temp = a.temperature[b];
@@ -1297,7 +1310,7 @@ SD_HOST_DEVICE void walk_sequence(Ex& ex, const VerifyArgs& a, int64_t b, FinalD
       if (accepted < 0) form = kFinalRow;
     } else if (draft) {
       // Exact / relaxed with siblings sampled from q = draft[b, node] without replacement.
-      const Q* qrow = draft + row_index * vocab;
+      const Q* qrow = draft + static_cast<int64_t>(node) * vocab;
       const float inv_total = fdiv(1.f, st.total);
       lv.levels = 0;
       lv.q_scale[0] = 1.f;
@@ -1435,7 +1448,7 @@ SD_HOST_DEVICE void final_chunk_sums(Ex& ex, const VerifyArgs& a, int64_t b, con
   if (!final_needs_sums(fd.form)) return;
   const int64_t row_index = b * a.n + fd.node;
   const RowWeight<T> weight = final_row_weight<T>(a, row_index, fd, rows);
-  const Q* qrow = final_draft_row<Q>(a, row_index);
+  const Q* qrow = final_draft_row<Q>(a, b, fd.node);
   const float inv_total = fdiv(1.f, fd.total);
   if (fd.form == kFinalMasked) {
     ex.range_sums(a.vocab, MaskedWeight<T>{weight, fd.tried, fd.num_tried}, c_begin, c_end,
@@ -1469,7 +1482,7 @@ SD_HOST_DEVICE void finish_sequence(Ex& ex, const VerifyArgs& a, int64_t b, cons
   if (fd.form != kFinalNone) {
     const int64_t row_index = b * a.n + fd.node;
     const RowWeight<T> weight = final_row_weight<T>(a, row_index, fd, rows);
-    const Q* qrow = final_draft_row<Q>(a, row_index);
+    const Q* qrow = final_draft_row<Q>(a, b, fd.node);
     const float inv_total = fdiv(1.f, fd.total);
     if (fd.form == kFinalRow) {
       token = pick_by_cdf(weight, rows.sums, vocab, fd.total, fd.u);

@@ -284,6 +284,7 @@ def _run(
     parents: Optional[torch.Tensor],
     num_nodes: Optional[torch.Tensor],
     draft_probs: Optional[torch.Tensor],
+    draft_deterministic: Optional[torch.Tensor],
     allow: Optional[torch.Tensor],
     temperature: torch.Tensor,
     top_k: torch.Tensor,
@@ -318,6 +319,7 @@ def _run(
     _C.verify(
         target,
         draft_probs,
+        draft_deterministic,
         tokens,
         parents,
         num_nodes,
@@ -355,6 +357,7 @@ def _verify_op(
     parents: Optional[torch.Tensor],
     num_nodes: Optional[torch.Tensor],
     draft_probs: Optional[torch.Tensor],
+    draft_deterministic: Optional[torch.Tensor],
     allow: Optional[torch.Tensor],
     temperature: torch.Tensor,
     top_k: torch.Tensor,
@@ -376,6 +379,7 @@ def _verify_op(
         parents,
         num_nodes,
         draft_probs,
+        draft_deterministic,
         allow,
         temperature,
         top_k,
@@ -400,6 +404,7 @@ def _verify_fake(
     parents,
     num_nodes,
     draft_probs,
+    draft_deterministic,
     allow,
     temperature,
     top_k,
@@ -429,6 +434,30 @@ def _dispatch(*args: Any) -> tuple[torch.Tensor, ...]:
     return _run(*args)
 
 
+def _draft_deterministic(
+    value: Any, draft: Optional[torch.Tensor], batch: int, device: torch.device
+) -> Optional[torch.Tensor]:
+    """verify's ``draft_deterministic`` as a contiguous bool ``[B]`` tensor (None stays None)."""
+    if value is None:
+        return None
+    if draft is None:
+        raise ValueError(
+            "draft_deterministic: only meaningful with draft_probs (without them every "
+            "sequence is verified as deterministic)"
+        )
+    if isinstance(value, (bool, np.bool_)):
+        return torch.full((batch,), bool(value), dtype=torch.bool, device=device)
+    t = _tensor(value, "draft_deterministic")
+    if t.dtype not in (torch.bool, torch.uint8):
+        raise TypeError(f"draft_deterministic: expected bool (or uint8), got {t.dtype}")
+    if tuple(t.shape) != (batch,):
+        raise ValueError(
+            f"draft_deterministic: expected a bool or shape [B] = [{batch}], got {list(t.shape)}"
+        )
+    _same_device(t, "draft_deterministic", device)
+    return t.contiguous()
+
+
 # ---- public API ----------------------------------------------------------------------------------
 
 
@@ -439,6 +468,7 @@ def verify(
     parents: Any = None,
     num_nodes: Any = None,
     draft_probs: Any = None,
+    draft_deterministic: Any = None,
     target_is_logits: bool = True,
     temperature: Any = 1.0,
     top_k: Any = 0,
@@ -479,6 +509,12 @@ def verify(
         replacement). None: the children were chosen deterministically (n-gram, top-k, argmax).
         A drafted token with ``q(x) = 0`` is accepted iff ``p(x) > 0`` (``u * q(x) < p(x)``),
         i.e. treated as an infinitely unlikely draft.
+    draft_deterministic : bool or array-like [B], optional
+        bool (or uint8) per sequence, only with ``draft_probs``: True where the sequence's
+        children were chosen deterministically although the batch has ``draft_probs`` (a batch
+        that mixes sampled and deterministic drafters). Such a sequence is verified as with
+        ``draft_probs=None`` (trees with deterministic siblings included) and its rows of
+        ``draft_probs`` are never read: they may hold anything. None: every sequence sampled.
     target_is_logits : bool
         Whether ``target`` holds logits (default) or probabilities.
     temperature, top_k, top_p : scalar or array-like [B]
@@ -581,6 +617,7 @@ def verify(
                 f"got {list(draft_t.shape)}"
             )
         _same_device(draft_t, "draft_probs", device)
+    deterministic_t = _draft_deterministic(draft_deterministic, draft_t, batch, device)
     allow_t = None
     if allow is not None:
         allow_t = _tensor(allow, "allow")
@@ -641,6 +678,7 @@ def verify(
         parents_t,
         num_nodes_t,
         draft_t,
+        deterministic_t,
         allow_t,
         temp_t,
         top_k_t,
