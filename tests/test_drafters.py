@@ -355,7 +355,8 @@ def test_combined_drafter_asks_the_fallback_only_where_the_primary_has_too_littl
         ]
 
 
-def test_combined_drafter_flags_primary_rows_deterministic_beside_sampled_ones():
+@pytest.mark.parametrize("mixed_steps", ["path", "tree"])
+def test_combined_drafter_flags_primary_rows_deterministic_beside_sampled_ones(mixed_steps):
     import torch
     from specdecode.drafters import CombinedDrafter, SampledDraftTree
 
@@ -365,21 +366,29 @@ def test_combined_drafter_flags_primary_rows_deterministic_beside_sampled_ones()
     primary = FixedDrafter({0: ([5, 3, 4, 9, 2], [-1, 0, 0, 2, 1]), 1: ([5], [-1])})
     q = [[0.5] * 2 + [0.0] * 8, [0.1] * 10, [0.0] * 10]
     fallback = FixedDrafter({1: ([5, 0, 7], [-1, 0, 1])}, vocab_size=v, probs={1: q})
-    d = CombinedDrafter(primary, fallback)
+    d = CombinedDrafter(primary, fallback, mixed_steps=mixed_steps)
     assert d.vocab_size == v
     tree = d.propose([0, 1])
     assert isinstance(tree, SampledDraftTree)
-    # Row 0 keeps its whole tree, flagged deterministic (its draft rows are not read: zeros).
+    # Row 0 is flagged deterministic (its draft rows are not read: zeros) and keeps its whole
+    # tree, or its first root path 5 -> 3 -> 2 (then no column wider than the rows need).
     assert tree.draft_deterministic.dtype == torch.bool
     assert tree.draft_deterministic.tolist() == [True, False]
-    assert tree.num_nodes.tolist() == [5, 3]
-    assert tree.tokens.shape == (2, 5) and tree.draft_probs.shape == (2, 5, v)
-    assert tree.tokens[0].tolist() == [5, 3, 4, 9, 2]
-    assert tree.parents[0].tolist() == [-1, 0, 0, 2, 1]
+    width = 5 if mixed_steps == "tree" else 3
+    assert tree.tokens.shape == (2, width) and tree.draft_probs.shape == (2, width, v)
+    if mixed_steps == "tree":
+        assert tree.num_nodes.tolist() == [5, 3]
+        assert tree.tokens[0].tolist() == [5, 3, 4, 9, 2]
+        assert tree.parents[0].tolist() == [-1, 0, 0, 2, 1]
+    else:
+        assert tree.num_nodes.tolist() == [3, 3]
+        assert tree.tokens[0].tolist() == [5, 3, 2]
+        assert tree.parents[0].tolist() == [-1, 0, 1]
     assert not bool(tree.draft_probs[0].any())
     assert torch.equal(tree.draft_probs[1, :3], torch.tensor(q))
     assert not bool(tree.draft_probs[1, 3:].any())
-    assert tree.tokens[1].tolist() == [5, 0, 7, -1, -1]
+    assert tree.tokens[1, :3].tolist() == [5, 0, 7]
+    assert tree.tokens[1, 3:].tolist() == [-1] * (width - 3)
 
 
 def test_combined_drafter_errors():
@@ -393,6 +402,8 @@ def test_combined_drafter_errors():
         CombinedDrafter(a, a)
     with pytest.raises(ValueError, match="share one vocabulary"):
         CombinedDrafter(a, b)
+    with pytest.raises(ValueError, match="mixed_steps: expected 'path' or 'tree'"):
+        CombinedDrafter(a, FixedDrafter({0: ([1], [-1])}), mixed_steps="chain")
     with pytest.raises(ValueError, match="min_drafts"):
         CombinedDrafter(a, FixedDrafter({}), min_drafts=0)
     with pytest.raises(TypeError, match="min_drafts"):

@@ -292,8 +292,9 @@ def sampling_models():
 def test_sampling_matches_the_target_distribution(kind, sampling_models):
     """Joint law of the first three tokens vs the exact target law (chi-square), and the test
     demonstrably detects a 1% shift of probability mass with these many draws. The combined
-    drafters' steps mix rows of both drafters: deterministic trees (n-gram chains, or trees with
-    siblings) verified through draft_deterministic beside the draft model's sampled chains."""
+    drafters' steps mix rows of both drafters: deterministic drafts (n-gram trees cut to their
+    first paths, or whole trees with siblings) verified through draft_deterministic beside the
+    draft model's sampled chains."""
     target, draft, prompt, probs = sampling_models
     if kind == "cacheback":
         drafter = CachebackDrafter(max_nodes=8, max_depth=3, max_sequences=4000)
@@ -303,7 +304,13 @@ def test_sampling_matches_the_target_distribution(kind, sampling_models):
             if kind == "combined-branching"
             else CachebackDrafter(max_nodes=8, max_depth=3, max_sequences=4000)
         )
-        drafter = CombinedDrafter(OddRowsSilent(primary), ModelDrafter(draft, mode="chain", k=3))
+        # Branching trees are kept whole in mixed steps (mixed_steps="tree"); the n-gram case
+        # takes the default, its rows cut to their first root paths there.
+        drafter = CombinedDrafter(
+            OddRowsSilent(primary),
+            ModelDrafter(draft, mode="chain", k=3),
+            mixed_steps="tree" if kind == "combined-branching" else "path",
+        )
     else:
         drafter = make_drafter(kind, draft)
     counts = torch.zeros(SAMPLE_V**3, dtype=torch.float64)

@@ -811,6 +811,28 @@ class ModelDrafter:
 # ---- two drafters, the cheap one first ---------------------------------------------------------
 
 
+def _first_path(parents: np.ndarray, num_nodes: int) -> list[int]:
+    """The nodes of a tree's first root path (node 0, then the lowest-index child of each node
+    on it), in order; parents in parent-before-child order, ``-1`` for the root."""
+    path = [0]
+    for i in range(1, num_nodes):
+        if parents[i] == path[-1]:
+            path.append(i)
+    return path
+
+
+def _cut_to_first_path(b: int, tokens: np.ndarray, parents: np.ndarray, num: np.ndarray) -> None:
+    """Row ``b`` of int32 ``[B, N]`` trees (and ``[B]`` node counts) cut to its first root path,
+    in place: a chain of the same tokens, padded with -1."""
+    path = _first_path(parents[b], int(num[b]))
+    chain = tokens[b, path].copy()
+    tokens[b] = -1
+    parents[b] = -1
+    tokens[b, : len(path)] = chain
+    parents[b, 1 : len(path)] = np.arange(len(path) - 1, dtype=np.int32)
+    num[b] = len(path)
+
+
 class CombinedDrafter:
     """A cheap drafter first, a second one for the sequences the first has nothing for.
 
@@ -829,14 +851,23 @@ class CombinedDrafter:
         they state one, must agree.
     min_drafts : int
         Draft nodes (besides the root) ``primary``'s tree needs to be taken, ``>= 1``.
+    mixed_steps : {"path", "tree"}
+        What a ``primary`` row keeps in a step that mixes it with ``fallback`` rows carrying
+        draft distributions (sampling): ``"path"`` (default) its tree's first root path,
+        ``"tree"`` the whole tree. Siblings proposed by n-gram tables are seldom accepted when
+        sampling, and each costs the target a token of its forward pass: on the zoo pair on a
+        CPU, at temperature 0.3 and 0.8 and batch 4, whole trees accepted 2 to 6 % more tokens
+        per step and gave 3 to 9 % fewer tokens per second (``bench/combined_sampling.py``,
+        bench/RESULTS.md, ``## engine``). ``"tree"`` is for targets whose forward pass costs little more for
+        more tokens (a large model on a GPU).
 
     Notes
     -----
     Lossless like its parts. When ``fallback`` samples its drafts (a :class:`SampledDraftTree`,
     at temperature > 0) and a step mixes sequences of both drafters, the batch is verified with
     ``draft_probs`` for the fallback's rows and ``draft_deterministic`` set for the primary's,
-    which :func:`specdecode.ops.verify` then verifies as deterministic drafts, whole trees with
-    their siblings, without reading a draft distribution for them.
+    which :func:`specdecode.ops.verify` then verifies as deterministic drafts (siblings
+    included) without reading a draft distribution for them.
 
     Attributes
     ----------
@@ -845,7 +876,9 @@ class CombinedDrafter:
         construction (a step where neither has a draft counts as the primary's).
     """
 
-    def __init__(self, primary: Any, fallback: Any, *, min_drafts: int = 1) -> None:
+    def __init__(
+        self, primary: Any, fallback: Any, *, min_drafts: int = 1, mixed_steps: str = "path"
+    ) -> None:
         for name, drafter in (("primary", primary), ("fallback", fallback)):
             for attr in ("start", "propose", "observe", "release"):
                 if not callable(getattr(drafter, attr, None)):
@@ -856,6 +889,8 @@ class CombinedDrafter:
             raise TypeError(f"min_drafts: expected an int, got {type(min_drafts).__name__}")
         if min_drafts < 1:
             raise ValueError(f"min_drafts: expected >= 1, got {min_drafts}")
+        if mixed_steps not in ("path", "tree"):
+            raise ValueError(f"mixed_steps: expected 'path' or 'tree', got {mixed_steps!r}")
         vocabs = {
             name: int(d.vocab_size)
             for name, d in (("primary", primary), ("fallback", fallback))
@@ -869,6 +904,7 @@ class CombinedDrafter:
         self.primary = primary
         self.fallback = fallback
         self.min_drafts = min_drafts
+        self.mixed_steps = mixed_steps
         self._vocab = next(iter(vocabs.values()), None)
         self.counts = {"primary": 0, "fallback": 0}
 
@@ -973,18 +1009,30 @@ class CombinedDrafter:
         tokens[take, :fw] = f_tokens[use]
         parents[take, :fw] = f_parents[use]
         num_nodes[take] = f_num[use]
-        out_tokens = torch.from_numpy(tokens)
-        out_parents = torch.from_numpy(parents)
         if f_probs is None or take.size == 0:
-            return DraftTree(out_tokens, out_parents, torch.from_numpy(num_nodes))
+            return DraftTree(
+                torch.from_numpy(tokens), torch.from_numpy(parents), torch.from_numpy(num_nodes)
+            )
+        deterministic = np.ones(batch, dtype=bool)
+        deterministic[take] = False
+        if self.mixed_steps == "path":
+            for b in np.flatnonzero(deterministic):
+                _cut_to_first_path(b, tokens, parents, num_nodes)
+            # Every row's valid nodes now come first: no wider draft_probs than they need.
+            width = int(num_nodes.max())
+            tokens = np.ascontiguousarray(tokens[:, :width])
+            parents = np.ascontiguousarray(parents[:, :width])
         f_probs = torch.as_tensor(f_probs)
         vocab = int(f_probs.shape[-1])
         probs = torch.zeros((batch, width, vocab), dtype=torch.float32)
-        probs[torch.from_numpy(take).long(), : f_probs.shape[1]] = f_probs[
-            torch.from_numpy(np.flatnonzero(use)).long()
+        keep = min(width, int(f_probs.shape[1]))
+        probs[torch.from_numpy(take).long(), :keep] = f_probs[
+            torch.from_numpy(np.flatnonzero(use)).long(), :keep
         ].float()
-        deterministic = torch.ones(batch, dtype=torch.bool)
-        deterministic[torch.from_numpy(take).long()] = False
         return SampledDraftTree(
-            out_tokens, out_parents, torch.from_numpy(num_nodes), probs, deterministic
+            torch.from_numpy(tokens),
+            torch.from_numpy(parents),
+            torch.from_numpy(num_nodes),
+            probs,
+            torch.from_numpy(deterministic),
         )
