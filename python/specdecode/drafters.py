@@ -858,8 +858,8 @@ class CombinedDrafter:
         sampling, and each costs the target a token of its forward pass: on the zoo pair on a
         CPU, at temperature 0.3 and 0.8 and batch 4, whole trees accepted 2 to 6 % more tokens
         per step and gave 3 to 9 % fewer tokens per second (``bench/combined_sampling.py``,
-        bench/RESULTS.md, ``## engine``). ``"tree"`` is for targets whose forward pass costs little more for
-        more tokens (a large model on a GPU).
+        bench/RESULTS.md, ``## engine``). ``"tree"`` is for targets whose forward pass costs
+        little more for more tokens (a large model on a GPU).
 
     Notes
     -----
