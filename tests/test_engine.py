@@ -512,6 +512,39 @@ def test_bad_requests_raise_before_any_work(target, draft_model):
         SpeculativeDecoder(target, object())
 
 
+class BadSampledDrafter(FixedBranches):
+    """Proposes a sampled chain with the draft distributions or flags given at construction."""
+
+    def __init__(self, probs_shape=None, deterministic=None):
+        self.probs_shape, self.deterministic = probs_shape, deterministic
+
+    def propose(self, slots):
+        from specdecode.drafters import SampledDraftTree
+
+        b = len(slots)
+        tokens = torch.tensor([[0, 1, 2]] * b, dtype=torch.int32)
+        parents = torch.tensor([[-1, 0, 1]] * b, dtype=torch.int32)
+        probs = torch.full(self.probs_shape or (b, 3, V), 1.0 / V)
+        flags = self.deterministic(b) if self.deterministic else None
+        num = torch.full((b,), 3, dtype=torch.int32)
+        return SampledDraftTree(tokens, parents, num, probs, flags)
+
+
+def test_bad_sampled_proposals_raise(target):
+    cases = [
+        (BadSampledDrafter(probs_shape=(2, 3, V + 1)), "draft_probs has shape"),
+        (BadSampledDrafter(deterministic=lambda b: torch.ones(b + 1, dtype=torch.bool)), "bool"),
+        (BadSampledDrafter(deterministic=lambda b: torch.ones(b)), "draft_deterministic"),
+    ]
+    for drafter, match in cases:
+        with pytest.raises(ValueError, match=match):
+            generate(target, prompts_for(2), drafter=drafter, max_new_tokens=3, temperature=1.0)
+    # Well-formed flags run: every row flagged deterministic verifies as a plain chain.
+    good = BadSampledDrafter(deterministic=lambda b: torch.ones(b, dtype=torch.bool))
+    out = generate(target, prompts_for(2), drafter=good, max_new_tokens=3, temperature=1.0)
+    assert all(len(s) == 3 for s in out.sequences)
+
+
 def test_generation_runs_to_the_models_max_length():
     small = tiny_transformer(seed=1, max_length=24)
     prompts = [[1, 2, 3], [4] * 8]

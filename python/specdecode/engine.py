@@ -1458,9 +1458,7 @@ class SpeculativeDecoder:
             num_nodes=tree.num_nodes.to(device),
             draft_probs=None if probs is None else probs.to(device, torch.float32).contiguous(),
             draft_deterministic=(
-                None
-                if probs is None or tree.draft_deterministic is None
-                else tree.draft_deterministic.to(device)
+                None if tree.draft_deterministic is None else tree.draft_deterministic.to(device)
             ),
             **state.sampling_parameters(device),
             offset=offset.to(device),
