@@ -1,14 +1,16 @@
-"""The draft model's sampling distribution: top-k / top-p searched without torch.sort.
+"""The draft model's sampling distribution: ops.sampling_probs against the former torch.sort path.
 
-``ModelDrafter`` turns its logits into the distribution it samples each draft token from
-(``specdecode.drafters._sampling_probs``: temperature, top-k, top-p) once per depth. This
-script times it against the former processing, kept below as ``sort_sampling_probs`` (two
-full ``torch.sort`` calls per row batch, whatever the parameters), in the same run:
+``ModelDrafter`` turns its logits into the distribution it samples each draft token from once
+per depth (temperature, top-k, top-p). It now calls ``ops.sampling_probs``, the native
+processing verify applies to target rows (thresholds searched, no sort). This script times it
+against the drafter's former processing, kept below as ``sort_sampling_probs`` (two full
+``torch.sort`` calls per row batch, whatever the parameters), in the same run:
 
-1. the processing alone, B rows of V logits, for temperature only, top-p 0.95 and top-k 50;
+1. the processing alone, B rows of V logits, for temperature only, top-p 0.95 and top-k 50
+   (torch's and specdecode's threads as given by ``--threads``);
 2. sampled generation with the zoo pair's draft model (chain, k = 3), batch 4, the demo's
-   prompts, once with each processing (the baseline patched into the drafter), arms alternating
-   per seed.
+   prompts, once with each processing (the former one patched into the drafter), arms
+   alternating per seed.
 
     python bench/draft_sampling.py [--vocab 8192 32000 128256] [--rows 1 4 16] [--seeds 3]
 """
@@ -24,7 +26,7 @@ import torch
 from specdecode.cli import DEMO_PROMPTS, load_model
 from specdecode.drafters import ModelDrafter
 
-from specdecode import drafters, generate
+from specdecode import drafters, generate, ops
 
 
 def sort_sampling_probs(
@@ -50,6 +52,26 @@ def sort_sampling_probs(
     return torch.where(greedy.unsqueeze(1), onehot, probs)
 
 
+def native_sampling_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The drafter's processing now (the measured arm)."""
+    return ops.sampling_probs(logits, temperature, top_k, top_p).probs
+
+
+class FormerOps:
+    """``specdecode.ops`` with the former processing as ``sampling_probs``, patched into the
+    drafter module for the baseline arm."""
+
+    def __getattr__(self, name: str):
+        return getattr(ops, name)
+
+    @staticmethod
+    def sampling_probs(logits, temperature, top_k, top_p) -> ops.SamplingProbs:
+        probs = sort_sampling_probs(logits, temperature, top_k.long(), top_p)
+        return ops.SamplingProbs(probs, torch.zeros(probs.shape[0], dtype=torch.int32))
+
+
 SETTINGS = {
     "temperature 0.8": dict(temperature=0.8, top_k=0, top_p=1.0),
     "T 0.8, top-p 0.95": dict(temperature=0.8, top_k=0, top_p=0.95),
@@ -68,8 +90,8 @@ def best_ms(fn: Callable[..., object], args: tuple, repeats: int) -> float:
 
 
 def processing_table(vocabs: list[int], row_counts: list[int], repeats: int) -> None:
-    print("\n## the processing alone (min ms of", repeats, "calls, 1 torch thread)\n")
-    print("| V | B | setting | torch.sort (former) | new | speedup |")
+    print("\n## the processing alone (min ms of", repeats, "calls)\n")
+    print("| V | B | setting | torch.sort (former) | ops.sampling_probs | speedup |")
     print("|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for vocab in vocabs:
@@ -84,7 +106,7 @@ def processing_table(vocabs: list[int], row_counts: list[int], repeats: int) -> 
                     torch.full((rows,), s["top_p"]),
                 )
                 old = best_ms(sort_sampling_probs, args, repeats)
-                new = best_ms(drafters._sampling_probs, args, repeats)
+                new = best_ms(native_sampling_probs, args, repeats)
                 print(f"| {vocab} | {rows} | {name} | {old:.3f} | {new:.3f} | {old / new:.1f}x |")
 
 
@@ -99,12 +121,11 @@ def generation_table(seeds: int, new_tokens: int) -> None:
     )
     print("| setting | tokens/s, torch.sort (former) | tokens/s, new | ratio |")
     print("|---|---|---|---|")
-    current = drafters._sampling_probs
     for name, s in SETTINGS.items():
         rates: dict[str, list[float]] = {"former": [], "new": []}
         for seed in range(seeds):
-            for arm, fn in (("former", sort_sampling_probs), ("new", current)):
-                drafters._sampling_probs = fn
+            for arm, module_ops in (("former", FormerOps()), ("new", ops)):
+                drafters.ops = module_ops
                 try:
                     t0 = time.perf_counter()
                     out = generate(
@@ -117,7 +138,7 @@ def generation_table(seeds: int, new_tokens: int) -> None:
                     )
                     rates[arm].append(out.stats.new_tokens / (time.perf_counter() - t0))
                 finally:
-                    drafters._sampling_probs = current
+                    drafters.ops = ops
         old, new = statistics.median(rates["former"]), statistics.median(rates["new"])
         print(f"| {name} | {old:.1f} | {new:.1f} | {new / old:.2f}x |")
 
@@ -129,9 +150,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    print(f"# torch {torch.__version__}, 1 torch thread")
+    torch.set_num_threads(args.threads)
+    print(f"# torch {torch.__version__}, {args.threads} thread(s)")
     processing_table(args.vocab, args.rows, args.repeats)
     generation_table(args.seeds, args.new)
 

@@ -194,6 +194,57 @@ void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle draf
 #endif
 }
 
+// The sampling distribution of rows [B, V] (logits or probabilities) into probs float32 [B, V]
+// and status int32 [B], in place.
+void sampling_probs_binding(py::handle rows_obj, py::handle temperature_obj, py::handle top_k_obj,
+                            py::handle top_p_obj, bool logits, py::handle probs_obj,
+                            py::handle status_obj, std::intptr_t stream) {
+  Array rows = Array::from_python(rows_obj, "logits");
+  rows.expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+      .expect_ndim(2)
+      .expect_contiguous();
+  const int64_t batch = rows.size(0), vocab = rows.size(1);
+  if (vocab < 1 || vocab > verify::kMaxVocab) {
+    throw_value_error("logits: the vocabulary size must be in [1, " +
+                      std::to_string(verify::kMaxVocab) + "], got V = " + std::to_string(vocab));
+  }
+  Array temperature = Array::from_python(temperature_obj, "temperature");
+  check_param(temperature, rows, DType::kFloat32, batch);
+  Array top_k = Array::from_python(top_k_obj, "top_k");
+  check_param(top_k, rows, DType::kInt32, batch);
+  Array top_p = Array::from_python(top_p_obj, "top_p");
+  check_param(top_p, rows, DType::kFloat32, batch);
+  Array probs = Array::from_python(probs_obj, "probs", true);
+  probs.expect_dtype({DType::kFloat32})
+      .expect_shape({batch, vocab}, {"B", "V"})
+      .expect_contiguous()
+      .expect_same_device(rows);
+  Array status = Array::from_python(status_obj, "status", true);
+  check_output(status, rows, {batch});
+
+  verify::DistributionArgs args{};
+  args.rows = rows.raw();
+  args.temperature = temperature.data<float>();
+  args.top_k = top_k.data<int32_t>();
+  args.top_p = top_p.data<float>();
+  args.batch = batch;
+  args.vocab = vocab;
+  args.logits = logits;
+  args.probs = probs.data<float>();
+  args.status = status.data<int32_t>();
+  const cpu::VerifyDType code = float_code(rows);
+  const bool on_cuda = prepare_device(rows);
+  py::gil_scoped_release nogil;
+  if (!on_cuda) {
+    cpu::sampling_distribution(args, code);
+    return;
+  }
+#ifdef SPECDECODE_WITH_CUDA
+  check_cuda(cuda::sampling_distribution(args, static_cast<int>(code), as_stream(stream)),
+             "sampling_probs");
+#endif
+}
+
 // Philox4x32-10 on the CPU, for known-answer tests: counter uint32 [M, 4], key uint32 [M, 2].
 void philox_binding(py::handle counter_obj, py::handle key_obj, py::handle out_obj) {
   Array counter = Array::from_python(counter_obj, "counter");
@@ -262,6 +313,11 @@ void register_verify_ops(py::module_& m) {
         py::arg("workspace") = py::none(), py::arg("final_slices") = 0,
         "Verifies draft trees against target rows; fills the outputs in place. CUDA inputs need "
         "a uint8 workspace of verify_workspace_bytes(B, V) bytes and final_slices >= 1.");
+  m.def("sampling_probs", &sampling_probs_binding, py::arg("logits"), py::arg("temperature"),
+        py::arg("top_k"), py::arg("top_p"), py::arg("is_logits"), py::arg("probs"),
+        py::arg("status"), py::arg("stream") = 0,
+        "The sampling distribution of each row as verify processes a target row; fills probs "
+        "and status in place.");
   m.def(
       "verify_workspace_bytes",
       [](int64_t batch, int64_t vocab) {

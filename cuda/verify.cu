@@ -54,6 +54,15 @@ class BlockExec {
 
   __device__ bool leader() const { return threadIdx.x == 0; }
   __device__ float* sums(int which) { return which ? sh_->sums1 : sh_->sums0; }
+
+  // A sampling_probs row (verify::distribution_sequence), the block's threads striding over it.
+  template <class T>
+  __device__ void write_probs(int64_t n, const verify::RowWeight<T>& f, float total, float* out) {
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) out[i] = verify::fdiv(f(i), total);
+  }
+  __device__ void write_one_hot(int64_t n, int64_t hot, float* out) {
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) out[i] = i == hot ? 1.f : 0.f;
+  }
   __device__ const float* chunk_max() const { return sh_->chunk_max; }
   __device__ const float* chunk_scale() const { return sh_->chunk_scale; }
 
@@ -323,6 +332,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- sampling_probs: one block per row ---------------------------------------------------------
+template <class T>
+__global__ void __launch_bounds__(kThreads) distribution_kernel(verify::DistributionArgs args) {
+  SD_SHARED(BlockShared, shared);
+  BlockExec ex(&shared);
+  for (int64_t b = blockIdx.x; b < args.batch; b += gridDim.x) {
+    verify::distribution_sequence<BlockExec, T>(ex, args, b);
+    // The next row's collectives overwrite the shared arrays this row's writes read.
+    __syncthreads();
+  }
+}
+
 // ---- phases 2 and 3: eight threads per chunk
 // -----------------------------------------------------
 constexpr int kLaneThreads = 128;
@@ -448,7 +469,31 @@ cudaError_t launch_target(const verify::VerifyArgs& args, int draft_dtype, void*
   return launch_draft<verify::Prob<E>>(args, draft_dtype, workspace, slices, stream);
 }
 
+template <class E>
+cudaError_t launch_distribution(const verify::DistributionArgs& args, cudaStream_t stream) {
+  if (args.logits) {
+    SD_LAUNCH(grid_for(args.batch), kThreads, 0, stream, distribution_kernel<E>)(args);
+  } else {
+    SD_LAUNCH(grid_for(args.batch), kThreads, 0, stream,
+              distribution_kernel<verify::Prob<E>>)(args);
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+cudaError_t sampling_distribution(const verify::DistributionArgs& args, int dtype,
+                                  cudaStream_t stream) {
+  if (args.batch == 0) return cudaSuccess;
+  switch (dtype) {
+    case 1:
+      return launch_distribution<verify::Half>(args, stream);
+    case 2:
+      return launch_distribution<verify::BFloat16>(args, stream);
+    default:
+      return launch_distribution<float>(args, stream);
+  }
+}
 
 cudaError_t verify(const verify::VerifyArgs& args, int target_dtype, int draft_dtype,
                    void* workspace, int slices, cudaStream_t stream) {

@@ -21,5 +21,10 @@ namespace cuda {
 cudaError_t verify(const verify::VerifyArgs& args, int target_dtype, int draft_dtype,
                    void* workspace, int slices, cudaStream_t stream);
 
+// The sampling distribution of every row (verify::distribution_sequence), one block per row, on
+// `stream`. dtype: 0 float32, 1 float16, 2 bfloat16 (args.logits: logits or probabilities).
+cudaError_t sampling_distribution(const verify::DistributionArgs& args, int dtype,
+                                  cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace sd

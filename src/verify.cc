@@ -378,6 +378,34 @@ void run(const verify::VerifyArgs& args, int final_slices) {
   });
 }
 
+template <class Ex, class T>
+void distribution_range(const verify::DistributionArgs& args, int64_t begin, int64_t end) {
+  static thread_local Ex ex;
+  ex.reset(args.vocab);
+  ex.set_cuda_search(false);
+  for (int64_t b = begin; b < end; ++b) verify::distribution_sequence<Ex, T>(ex, args, b);
+}
+
+template <class T>
+void run_distribution(const verify::DistributionArgs& args) {
+  // A row costs a few passes over V, as in run.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, args.vocab));
+  const Isa isa = cpu_isa();
+  parallel_for(args.batch, grain, [&](int64_t begin, int64_t end) {
+#ifdef SD_VERIFY_HAVE_AVX2
+    if (isa == Isa::kAvx512) return distribution_range<CpuExecAvx512, T>(args, begin, end);
+    if (isa == Isa::kAvx2) return distribution_range<CpuExecAvx2, T>(args, begin, end);
+#endif
+    distribution_range<CpuExec, T>(args, begin, end);
+  });
+}
+
+template <class E>
+void run_distribution_of(const verify::DistributionArgs& args) {
+  if (args.logits) return run_distribution<E>(args);
+  run_distribution<verify::Prob<E>>(args);
+}
+
 template <class T>
 void run_draft(const verify::VerifyArgs& args, VerifyDType draft, int final_slices) {
   switch (draft) {
@@ -410,6 +438,17 @@ void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draf
       return run_target<verify::BFloat16>(args, draft, final_slices);
     default:
       return run_target<float>(args, draft, final_slices);
+  }
+}
+
+void sampling_distribution(const verify::DistributionArgs& args, VerifyDType rows) {
+  switch (rows) {
+    case VerifyDType::kFloat16:
+      return run_distribution_of<verify::Half>(args);
+    case VerifyDType::kBFloat16:
+      return run_distribution_of<verify::BFloat16>(args);
+    default:
+      return run_distribution_of<float>(args);
   }
 }
 

@@ -256,6 +256,12 @@ def test_verify_equals_the_cpu_token_for_token(dtype):
             with on_emulator():
                 got = ops.sample(row, *args, seed=seeds(b), offset=1)
             assert torch.equal(cpu.tokens, got.tokens) and torch.equal(cpu.status, got.status)
+        for args in ((0.8, 30, 0.95), (1.0, 0, 1.0), (0.0, 0, 1.0), (0.6, 0, 0.9)):
+            cpu = ops.sampling_probs(row, *args)
+            with on_emulator():
+                got = ops.sampling_probs(row, *args)
+            assert torch.equal(cpu.probs, got.probs), (v, dtype, args)
+            assert torch.equal(cpu.status, got.status)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -209,7 +209,10 @@ def test_model_drafter_greedy_chain_is_the_draft_models_greedy_continuation():
 
 
 def test_model_drafter_sampled_chain_records_its_distribution():
+    import torch
     from specdecode.drafters import ModelDrafter, SampledDraftTree
+
+    from specdecode import ops
 
     d = ModelDrafter(_tiny(5), k=3)
     d.start([0, 1], [[1, 2], [3]])
@@ -224,75 +227,20 @@ def test_model_drafter_sampled_chain_records_its_distribution():
         for i in range(3):
             assert float(q[b, i, int(tree.tokens[b, i + 1])]) > 0  # drawn from q
     assert int((q[1, 0] > 0).sum()) <= 5  # top-k 5
+    # Each row is the draft model's next-token distribution processed as verify processes the
+    # target's (ops.sampling_probs), given the tokens drafted before it.
+    for b, prompt in enumerate([[1, 2], [3]]):
+        seq = prompt + tree.tokens[b, 1:].tolist()
+        with torch.no_grad():
+            logits = d.model.forward_train(torch.tensor([seq]))[0]
+        rows = logits[len(prompt) - 1 : len(prompt) + 2].float().contiguous()
+        want = ops.sampling_probs(rows, [1.0, 0.7][b], [0, 5][b], [1.0, 0.9][b]).probs
+        torch.testing.assert_close(q[b, :3], want, rtol=1e-4, atol=1e-5)
     # Same seed and committed state: same draft.
     d2 = ModelDrafter(_tiny(5), k=3)
     d2.start([0, 1], [[1, 2], [3]])
     d2.configure([0, 1], temperature=[1.0, 0.7], top_k=[0, 5], top_p=[1.0, 0.9], seed=[1, 2])
     assert d2.propose([0, 1]).tokens.tolist() == tree.tokens.tolist()
-
-
-def _reference_sampling_probs(logits, temperature, top_k, top_p):
-    """The drafter's distribution row by row in float64, from its definition."""
-    out = np.zeros(logits.shape)
-    for r, x in enumerate(logits.astype(np.float64)):
-        if temperature[r] <= 0:
-            out[r, int(np.argmax(x))] = 1.0
-            continue
-        x = x / temperature[r]
-        if 0 < top_k[r] < x.size:
-            x = np.where(x < np.sort(x)[::-1][top_k[r] - 1], -np.inf, x)
-        p = np.exp(x - x.max())
-        p /= p.sum()
-        if top_p[r] < 1:
-            # The smallest most-likely set reaching top_p, and every token tied with its last.
-            ordered = np.sort(p)[::-1]
-            last = min(int((np.cumsum(ordered) < top_p[r]).sum()), p.size - 1)
-            p[p < ordered[last]] = 0.0
-            p /= p.sum()
-        out[r] = p
-    return out
-
-
-@pytest.mark.parametrize("vocab", [29, 300, 4096])
-def test_sampling_probs_follow_temperature_top_k_and_top_p(vocab):
-    import torch
-    from specdecode.drafters import _sampling_probs
-
-    gen = torch.Generator().manual_seed(vocab)
-    rows = 9
-    logits = torch.randn(rows, vocab, generator=gen) * 3
-    # Row 4 is nearly flat (top-p 0.95 keeps most of it); row 5 has ties at its top-k boundary
-    # (all kept).
-    logits[4] = torch.randn(vocab, generator=gen) * 0.01
-    logits[5] = logits[5].clamp(max=6.0)
-    logits[5, :6] = torch.tensor([9.0, 8.0, 7.0, 7.0, 7.0, 7.0])
-    temperature = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 1.0, 0.5, 1.0, 2.0])
-    top_k = torch.tensor([0, 5, 0, vocab, 0, 3, 0, 20, 1], dtype=torch.int64)
-    top_p = torch.tensor([1.0, 0.9, 0.5, 0.8, 0.95, 1.0, 0.3, 0.99, 1.0])
-    # The whole batch, and rows without top-p in a batch with it (rows 0, 5, 8).
-    for pick in (list(range(rows)), [0, 4, 5, 8]):
-        args = (logits[pick], temperature[pick], top_k[pick], top_p[pick])
-        q = _sampling_probs(*args)
-        assert q.dtype == torch.float32 and q.shape == (len(pick), vocab)
-        want = _reference_sampling_probs(*(a.numpy() for a in args))
-        np.testing.assert_array_equal(q.numpy() > 0, want > 0)
-        np.testing.assert_allclose(q.numpy(), want, rtol=1e-4, atol=1e-7)
-        assert int((q[pick.index(5)] > 0).sum()) == 6  # 9, 8 and the four tied 7s
-    # Top-p ties: two of the four equally likely tokens reach 0.3, all four are kept.
-    tied = _sampling_probs(
-        torch.tensor([[2.0, 2.0, 2.0, 2.0, -9.0, -9.0]]),
-        torch.ones(1),
-        torch.zeros(1, dtype=torch.int64),
-        torch.tensor([0.3]),
-    )
-    torch.testing.assert_close(tied, torch.tensor([[0.25, 0.25, 0.25, 0.25, 0.0, 0.0]]))
-    # Without top-k and top-p in any row: the tempered softmax itself.
-    plain = _sampling_probs(
-        logits, temperature.clamp(min=0.5), torch.zeros(rows, dtype=torch.int64), torch.ones(rows)
-    )
-    torch.testing.assert_close(
-        plain, torch.softmax(logits / temperature.clamp(min=0.5)[:, None], 1)
-    )
 
 
 def test_model_drafter_tree_is_a_valid_budgeted_tree_holding_the_greedy_path():

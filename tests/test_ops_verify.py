@@ -248,6 +248,88 @@ def test_sample_matches_processed_distribution(temperature, top_k, top_p):
     g_test(hist(res.tokens, v), dict(enumerate(p.tolist())), f"sample T={temperature}")
 
 
+# ---- sampling_probs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.9, 12, 0.9), (0.5, 3, 0.3)],
+)
+def test_sampling_probs_are_the_processed_distribution(dtype, temperature, top_k, top_p):
+    gen = torch.Generator().manual_seed(3)
+    # One chunk, and several with a partial last one and chunk maxima far apart.
+    one = (torch.randn(4, 40, generator=gen) * 2).to(dtype)
+    one[1, 7] = -math.inf
+    one[2, :6] = one[2, :6].max()  # ties at the top (top-k / top-p boundaries among them)
+    several = torch.stack([spread_logits(gen, 5 * 256 + 37)[0] for _ in range(3)]).to(dtype)
+    for rows in (one, several):
+        res = ops.sampling_probs(rows, temperature, top_k, top_p)
+        assert res.probs.dtype == torch.float32 and res.probs.shape == rows.shape
+        assert res.status.tolist() == [0] * rows.shape[0]
+        want = processed_probs(rows.float(), temperature, top_k, top_p)
+        assert torch.equal(res.probs > 0, want > 0), (temperature, top_k, top_p)
+        torch.testing.assert_close(res.probs.double(), want, rtol=2e-5, atol=1e-7)
+
+
+def test_sampling_probs_per_sequence_parameters_probability_inputs_and_greedy():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 300, generator=gen) * 2
+    logits[4, [10, 20]] = 9.0  # tied maxima: the lowest index is the argmax
+    temperature = torch.tensor([1.0, 0.6, 0.0, 1.2, 0.0])
+    top_k = torch.tensor([0, 7, 0, 40, 0], dtype=torch.int32)
+    top_p = torch.tensor([0.95, 1.0, 1.0, 0.5, 1.0])
+    res = ops.sampling_probs(logits, temperature, top_k, top_p)
+    for b in range(5):
+        if temperature[b] == 0:
+            want = torch.zeros(300, dtype=torch.float64)
+            want[int(logits[b].argmax())] = 1.0
+        else:
+            want = processed_probs(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]))
+        torch.testing.assert_close(res.probs[b].double(), want, rtol=2e-5, atol=1e-7)
+    assert int(res.probs[4].argmax()) == 10
+    # Each row is processed alone: a row's result does not depend on its neighbours.
+    alone = ops.sampling_probs(logits[3:4], 1.2, 40, 0.5)
+    assert torch.equal(alone.probs[0], res.probs[3])
+    probs = torch.rand(3, 64, generator=gen)
+    probs[:, 5] = 0.0
+    got = ops.sampling_probs(probs, 1.0, 0, 0.7, target_is_logits=False)
+    want = processed_probs(probs, top_p=0.7, logits=False)
+    torch.testing.assert_close(got.probs.double(), want, rtol=2e-5, atol=1e-7)
+    # The rows are the law sample() draws from: its tokens lie in their support.
+    row = (torch.randn(1, 500, generator=gen) * 3).expand(4000, 500).contiguous()
+    draws = ops.sample(row, 0.8, 0, 0.6, seed=torch.arange(4000), offset=0).tokens
+    support = ops.sampling_probs(row[:1], 0.8, 0, 0.6).probs[0] > 0
+    assert bool(support[draws.long()].all()) and int(support.sum()) < 500
+
+
+def test_sampling_probs_flag_bad_rows_and_refuse_bad_input():
+    rows = torch.randn(3, 50)
+    rows[0, 4] = float("nan")
+    rows[1] = -math.inf
+    res = ops.sampling_probs(rows, 0.8)
+    assert res.status.tolist() == [ops.STATUS_NON_FINITE, ops.STATUS_ZERO_MASS, 0]
+    assert not bool(res.probs[:2].any()) and abs(float(res.probs[2].sum()) - 1) < 1e-5
+    with pytest.raises(ValueError, match="logits: expected 2 dimensions"):
+        ops.sampling_probs(torch.randn(50))
+    with pytest.raises(TypeError, match="logits: expected float32"):
+        ops.sampling_probs(torch.zeros(2, 50, dtype=torch.int64))
+    with pytest.raises(ValueError, match="vocabulary size"):
+        ops.sampling_probs(torch.zeros(1, ops.MAX_VOCAB + 1))
+    with pytest.raises(ValueError, match="top_p"):
+        ops.sampling_probs(rows, 1.0, 0, 0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        ops.sampling_probs(rows, 1.0, -1)
+    with pytest.raises(ValueError, match="temperature: expected a scalar or shape"):
+        ops.sampling_probs(rows, torch.ones(2))
+    with pytest.raises(ValueError, match="temperature: with probability inputs"):
+        ops.sampling_probs(torch.rand(2, 50), 0.5, target_is_logits=False)
+    torch.library.opcheck(
+        torch.ops.specdecode.sampling_probs.default,
+        (torch.randn(2, 30), torch.ones(2), torch.zeros(2, dtype=torch.int32), torch.ones(2), True),
+    )
+
+
 def spread_logits(gen: torch.Generator, v: int) -> tuple[torch.Tensor, list[int]]:
     """Logits over a vocabulary of several chunks (kChunk = 256 tokens) whose mass sits in
     tokens of different chunks, with chunk maxima far apart (so every chunk has its own local
@@ -1033,6 +1115,12 @@ def test_torch_compile_aot_eager_matches_eager():
     want = step(logits, tokens, seed)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
+    def draft_rows(x):
+        return ops.sampling_probs(x * 2, 0.7, 10, 0.9).probs
+
+    rows = logits[:, 0].contiguous()
+    assert torch.equal(torch.compile(draft_rows, backend="aot_eager")(rows), draft_rows(rows))
+
 
 def test_custom_op_opcheck():
     gen = torch.Generator().manual_seed(101)
@@ -1551,3 +1639,8 @@ def test_cuda_matches_cpu_token_for_token(dtype):
         s_cpu = ops.sample(row, 0.8, 30, 0.95, seed=seeds(b), offset=1)
         s_gpu = ops.sample(row.cuda(), 0.8, 30, 0.95, seed=seeds(b).cuda(), offset=1)
         assert torch.equal(s_cpu.tokens, s_gpu.tokens.cpu())
+        for args in ((0.8, 30, 0.95), (1.0, 0, 1.0), (0.0, 0, 1.0), (0.6, 0, 0.9)):
+            p_cpu = ops.sampling_probs(row, *args)
+            p_gpu = ops.sampling_probs(row.cuda(), *args)
+            assert torch.equal(p_cpu.probs, p_gpu.probs.cpu()), (v, args)
+            assert torch.equal(p_cpu.status, p_gpu.status.cpu())

@@ -386,84 +386,6 @@ def _draft_seed(seed: torch.Tensor, depth: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
-def _top_k_floor(x: torch.Tensor, top_k: torch.Tensor) -> Optional[torch.Tensor]:
-    """float32 ``[R, 1]``: the k-th largest value of each row of ``x`` (``-inf`` where top-k is
-    off: k <= 0 or k >= V), or None when it is off for every row."""
-    vocab = x.shape[1]
-    on = (top_k > 0) & (top_k < vocab)
-    if not bool(on.any()):
-        return None
-    k = torch.where(on, top_k, torch.ones_like(top_k)).long()
-    kth = torch.topk(x, int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
-    return torch.where(on.unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
-
-
-def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> Optional[torch.Tensor]:
-    """float32 ``[R, 1]``: the smallest probability top-p keeps in each row (0 where top_p >= 1),
-    or None when top_p >= 1 in every row.
-
-    In decreasing order, the first token at which the running mass reaches top_p closes the
-    smallest most-likely set; its probability is the floor, so tokens tied with it are all
-    kept (as verify's top-p keeps ties at its threshold). Only tokens of probability at least
-    (1 - top_p) / V are sorted: the others hold less than 1 - top_p together, so the tokens above
-    them already reach top_p and the set closes before them.
-    """
-    limit = top_p.numpy()
-    rows = np.flatnonzero(limit < 1)
-    if rows.size == 0:
-        return None
-    table = probs.numpy()
-    vocab = table.shape[1]
-    floor = np.zeros(len(limit), dtype=np.float32)
-    for r in rows:
-        row = table[r]
-        head = row[row >= (1.0 - limit[r]) / vocab]
-        # numpy sorts values alone about 15x faster than torch.sort (V = 8192 to 128256 here).
-        ordered = np.sort(head if head.size else row)[::-1]
-        mass = np.cumsum(ordered, dtype=np.float64)
-        # Where rounding leaves the mass below top_p, the last token closes the set.
-        floor[r] = ordered[min(int((mass < limit[r]).sum()), ordered.size - 1)]
-    return torch.from_numpy(floor).unsqueeze(1)
-
-
-def _sampling_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """float32 ``[R, V]``: the distribution a drafter samples from, per row.
-
-    Parameters
-    ----------
-    logits : torch.Tensor
-        float ``[R, V]``, on the CPU.
-    temperature, top_p : torch.Tensor
-        float32 ``[R]``, on the CPU.
-    top_k : torch.Tensor
-        int64 ``[R]`` (0 or >= V: off), on the CPU.
-
-    Temperature 0 gives the one-hot of the argmax; otherwise softmax(logits / temperature)
-    restricted to the top-k logits (ties kept), then to the smallest most-likely set whose mass
-    reaches top_p (ties with its least likely token kept), renormalised. Only consistency matters
-    for losslessness (the draw must follow exactly the returned rows), not equality with the
-    target's processing. Top-k and top-p are searched only where a row asks for them.
-    """
-    x = logits.float()
-    greedy = temperature <= 0
-    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    x = x / safe_t.unsqueeze(1)
-    kth = _top_k_floor(x, top_k)
-    if kth is not None:
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=1)
-    floor = _top_p_floor(probs, top_p)
-    if floor is not None:
-        probs = probs.masked_fill(probs < floor, 0.0)
-        probs = probs / probs.sum(dim=1, keepdim=True)
-    if not bool(greedy.any()):
-        return probs
-    onehot = torch.zeros_like(probs).scatter(1, logits.float().argmax(dim=1, keepdim=True), 1.0)
-    return torch.where(greedy.unsqueeze(1), onehot, probs)
-
-
 class ModelDrafter:
     """Drafts with an independent small causal LM driven through the CausalLM protocol.
 
@@ -481,7 +403,8 @@ class ModelDrafter:
         Draft depth (``>= 1``).
     sample : bool
         Chain mode: sample each draft token from the drafter's distribution (processed with the
-        sequence's temperature / top-k / top-p) and return it as ``draft_probs`` so that
+        sequence's temperature / top-k / top-p exactly as verify processes the target's,
+        :func:`specdecode.ops.sampling_probs`) and return it as ``draft_probs`` so that
         verification stays lossless; False drafts the argmax. Tree drafts are always the top
         tokens (deterministic children, verified losslessly without ``draft_probs``).
     branch, beam : int
@@ -744,7 +667,9 @@ class ModelDrafter:
             for d in range(depth):
                 row_logits = logits.float().cpu()
                 if sampled:
-                    q = _sampling_probs(row_logits, temperature, top_k, top_p)
+                    # The target's processing (verify's), so that agreeing models also agree
+                    # after top-k / top-p; the draw follows these rows exactly.
+                    q = ops.sampling_probs(row_logits, temperature, top_k, top_p).probs
                     draw = ops.sample(
                         q, 1.0, seed=_draft_seed(seed, d), offset=offset, target_is_logits=False
                     )

@@ -884,6 +884,58 @@ SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, const SeqPa
   return st;
 }
 
+// The parameters of sequence b from a call's [B] arrays (temperature <= 0 or NaN: greedy).
+SD_HD_INLINE SeqParams sequence_params(const float* temperature, const int32_t* top_k,
+                                       const float* top_p, const int64_t* seed,
+                                       const int64_t* offset, int64_t b) {
+  SeqParams sp;
+  const float temp = temperature[b];
+  sp.greedy = !(temp > 0.f);
+  sp.inv_temp = sp.greedy ? 1.f : fdiv(1.f, temp);
+  sp.top_k = top_k[b];
+  sp.top_p = top_p[b];
+  sp.seed = seed ? static_cast<uint64_t>(seed[b]) : 0u;
+  sp.offset = offset ? static_cast<uint64_t>(offset[b]) : 0u;
+  return sp;
+}
+
+// ---- the sampling distribution, materialised (sampling_probs) --------------------------------
+// The distribution verify samples a target row's bonus or plain token from (prepare_row), written
+// out: probs[i] = w(i) / total, so a drafter can sample its draft from exactly the processing the
+// target gets and hand the rows to verify as draft_probs. Temperature 0: the one-hot of the
+// argmax. A row with a NaN / +Inf value or no mass is left all zero, its status set.
+
+struct DistributionArgs {
+  const void* rows;          // [B, V] logits or probabilities
+  const float* temperature;  // [B]
+  const int32_t* top_k;      // [B]
+  const float* top_p;        // [B]
+  int64_t batch;
+  int64_t vocab;
+  bool logits;
+  float* probs;     // [B, V]
+  int32_t* status;  // [B]
+};
+
+// Row b of a DistributionArgs call. The executor writes the row: ex.write_probs(n, f, total,
+// out) sets out[i] = fdiv(f(i), total), ex.write_one_hot(n, hot, out) sets out[hot] = 1 and the
+// rest 0 (hot < 0: all 0).
+template <class Ex, class T>
+SD_HOST_DEVICE void distribution_sequence(Ex& ex, const DistributionArgs& a, int64_t b) {
+  const SeqParams sp = sequence_params(a.temperature, a.top_k, a.top_p, nullptr, nullptr, b);
+  const T* row = static_cast<const T*>(a.rows) + b * a.vocab;
+  float* out = a.probs + b * a.vocab;
+  const RowState st = prepare_row(ex, row, a.vocab, sp, !sp.greedy);
+  if (st.status) {
+    ex.write_one_hot(a.vocab, -1, out);
+  } else if (sp.greedy) {
+    ex.write_one_hot(a.vocab, st.argmax, out);
+  } else {
+    ex.write_probs(a.vocab, row_weight_of(row, sp.inv_temp, st), st.total, out);
+  }
+  if (ex.leader()) a.status[b] = st.status;
+}
+
 // ---- recursive rejection sampling over siblings sampled from q (without replacement) ----------
 // Level 0 is (p, q). After rejecting the token x_l at level l:
 //   p_{l+1} = max(p_l - q_l, 0) / beta_l,  beta_l = sum max(p_l - q_l, 0)
@@ -1239,14 +1291,7 @@ SD_HOST_DEVICE void walk_sequence(Ex& ex, const VerifyArgs& a, int64_t b, FinalD
   const T* target = static_cast<const T*>(a.target);
   const Q* draft = sequence_draft<Q>(a, b);
 
-  SeqParams sp;
-  const float temp = a.temperature[b];
-  sp.greedy = !(temp > 0.f);
-  sp.inv_temp = sp.greedy ? 1.f : fdiv(1.f, temp);
-  sp.top_k = a.top_k[b];
-  sp.top_p = a.top_p[b];
-  sp.seed = static_cast<uint64_t>(a.seed[b]);
-  sp.offset = static_cast<uint64_t>(a.offset[b]);
+  const SeqParams sp = sequence_params(a.temperature, a.top_k, a.top_p, a.seed, a.offset, b);
   const bool greedy = a.method == kGreedy || sp.greedy;
   const bool from_target = a.method == kRelaxed && a.correction_from_target;
 

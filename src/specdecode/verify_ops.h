@@ -19,6 +19,10 @@ enum class VerifyDType : int32_t { kNone = -1, kFloat32 = 0, kFloat16 = 1, kBFlo
 void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draft,
             int final_slices = 0);
 
+// The sampling distribution of every row of `args` (verify::distribution_sequence), threaded
+// over the rows; `rows` is the element type of args.rows.
+void sampling_distribution(const verify::DistributionArgs& args, VerifyDType rows);
+
 // y[i] = verify::exp_approx(x[i]) computed by the exp of the row loops of ISA `isa` (0 baseline,
 // 1 AVX2, 2 AVX-512), capped to what this CPU runs (and to SPECDECODE_CPU_ISA); returns the ISA
 // used. For the tests of the exp's accuracy and of its bit-equality across ISAs.

@@ -458,6 +458,53 @@ def _draft_deterministic(
     return t.contiguous()
 
 
+def _processing(
+    temperature: Any, top_k: Any, top_p: Any, is_logits: bool, batch: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """temperature float32, top_k int32 and top_p float32, each a contiguous ``[B]`` tensor."""
+    if is_logits:
+        temp_t = _per_sequence(temperature, "temperature", batch, torch.float32, device, 0, 3e38)
+    else:
+        temp_t = _per_sequence(temperature, "temperature", batch, torch.float32, device, 0, 1)
+        if temp_t.device.type == "cpu" and bool(((temp_t != 0) & (temp_t != 1)).any()):
+            raise ValueError("temperature: with probability inputs it must be 0 or 1")
+    top_k_t = _per_sequence(top_k, "top_k", batch, torch.int32, device, 0, 2**31 - 1)
+    top_p_t = _per_sequence(top_p, "top_p", batch, torch.float32, device, 0, 1, lo_open=True)
+    return temp_t, top_k_t, top_p_t
+
+
+def _run_sampling_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    is_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    status = torch.empty((logits.shape[0],), dtype=torch.int32, device=logits.device)
+    _C.sampling_probs(
+        logits, temperature, top_k, top_p, is_logits, probs, status, stream_of(logits.device)
+    )
+    return probs, status
+
+
+@torch.library.custom_op("specdecode::sampling_probs", mutates_args=())
+def _sampling_probs_op(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    is_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_sampling_probs(logits, temperature, top_k, top_p, is_logits)
+
+
+@_sampling_probs_op.register_fake
+def _sampling_probs_fake(logits, temperature, top_k, top_p, is_logits):
+    probs = logits.new_empty(logits.shape, dtype=torch.float32)
+    return probs, logits.new_empty((logits.shape[0],), dtype=torch.int32)
+
+
 # ---- public API ----------------------------------------------------------------------------------
 
 
@@ -630,14 +677,9 @@ def verify(
         _same_device(allow_t, "allow", device)
         allow_t = allow_t.contiguous()
 
-    if target_is_logits:
-        temp_t = _per_sequence(temperature, "temperature", batch, torch.float32, device, 0, 3e38)
-    else:
-        temp_t = _per_sequence(temperature, "temperature", batch, torch.float32, device, 0, 1)
-        if temp_t.device.type == "cpu" and bool(((temp_t != 0) & (temp_t != 1)).any()):
-            raise ValueError("temperature: with probability inputs it must be 0 or 1")
-    top_k_t = _per_sequence(top_k, "top_k", batch, torch.int32, device, 0, 2**31 - 1)
-    top_p_t = _per_sequence(top_p, "top_p", batch, torch.float32, device, 0, 1, lo_open=True)
+    temp_t, top_k_t, top_p_t = _processing(
+        temperature, top_k, top_p, target_is_logits, batch, device
+    )
     seed_t = _per_sequence(seed, "seed", batch, torch.int64, device, -(2**63), 2**63 - 1)
     offset_t = _per_sequence(offset, "offset", batch, torch.int64, device, -(2**63), 2**63 - 1)
 
@@ -753,3 +795,77 @@ def sample(
     except ValueError as exc:
         raise ValueError(str(exc).replace("target:", "logits:", 1)) from None
     return SampleResult(res.emitted[:, 0], res.status)
+
+
+class SamplingProbs(NamedTuple):
+    """Result of :func:`sampling_probs`; tensors on the device of ``logits``.
+
+    Attributes
+    ----------
+    probs : torch.Tensor
+        float32 ``[B, V]``: each row's sampling distribution (all zero where ``status`` is set).
+    status : torch.Tensor
+        int32 ``[B]``: 0, or :data:`STATUS_NON_FINITE` / :data:`STATUS_ZERO_MASS` for a bad row.
+    """
+
+    probs: torch.Tensor
+    status: torch.Tensor
+
+
+def sampling_probs(
+    logits: Any,
+    temperature: Any = 1.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    *,
+    target_is_logits: bool = True,
+) -> SamplingProbs:
+    """The distribution :func:`sample` and :func:`verify` draw a row's token from, written out.
+
+    The processing of :func:`verify`'s target rows, by the same native code on the CPU and on
+    CUDA: logits divided by ``temperature``, top-k keeps the tokens whose value is at least the
+    k-th largest (ties kept), top-p the most likely tokens whose mass reaches ``top_p`` (ties at
+    the threshold kept), renormalised; temperature 0 gives the one-hot of the argmax (the lowest
+    index among ties). No sort: the thresholds are searched as in the kernels.
+
+    A drafter that samples its draft token from these rows and passes them to :func:`verify` as
+    ``draft_probs`` drafts from exactly the processing the target gets (speculative sampling is
+    lossless for any draft distribution; it accepts the most when the two agree).
+
+    Parameters
+    ----------
+    logits : torch.Tensor or array-like
+        float32, float16 or bfloat16 ``[B, V]``, contiguous, V <= :data:`MAX_VOCAB`
+        (probabilities when ``target_is_logits=False``: non-negative, any positive total).
+    temperature, top_k, top_p : scalar or array-like [B]
+        As in :func:`verify` (temperature 0 = one-hot argmax; with probability inputs 0 or 1).
+    target_is_logits : bool
+        Whether ``logits`` holds logits (default) or probabilities.
+
+    Returns
+    -------
+    SamplingProbs
+        ``probs`` float32 ``[B, V]`` (each valid row sums to 1 up to rounding) and ``status``
+        int32 ``[B]``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`verify`, naming the argument.
+    """
+    x = _tensor(logits, "logits")
+    _check_float_rows(x, "logits", 2)
+    batch, vocab = int(x.shape[0]), int(x.shape[1])
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(
+            f"logits: the vocabulary size must be in [1, {MAX_VOCAB}], got V = {vocab}"
+        )
+    temp_t, top_k_t, top_p_t = _processing(
+        temperature, top_k, top_p, target_is_logits, batch, x.device
+    )
+    args = (x, temp_t, top_k_t, top_p_t, bool(target_is_logits))
+    if torch.compiler.is_compiling():
+        probs, status = torch.ops.specdecode.sampling_probs(*args)
+    else:
+        probs, status = _run_sampling_probs(*args)
+    return SamplingProbs(probs, status)
