@@ -13,6 +13,10 @@ against the drafter's former processing, kept below as ``sort_sampling_probs`` (
    alternating per seed.
 
     python bench/draft_sampling.py [--vocab 8192 32000 128256] [--rows 1 4 16] [--seeds 3]
+        [--threads 1] [--device cpu|cuda] [--skip-generation]
+
+With ``--device cuda`` the processing table runs on the GPU (both arms there, each call
+synchronised); the generation table always runs the zoo pair on the CPU.
 """
 
 from __future__ import annotations
@@ -79,34 +83,42 @@ SETTINGS = {
 }
 
 
-def best_ms(fn: Callable[..., object], args: tuple, repeats: int) -> float:
+def best_ms(fn: Callable[..., object], args: tuple, repeats: int, device: torch.device) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn(*args)
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn(*args)
+        sync()
         times.append(time.perf_counter() - t0)
     return min(times) * 1e3
 
 
-def processing_table(vocabs: list[int], row_counts: list[int], repeats: int) -> None:
-    print("\n## the processing alone (min ms of", repeats, "calls)\n")
+def processing_table(
+    vocabs: list[int], row_counts: list[int], repeats: int, device: torch.device
+) -> None:
+    print(f"\n## the processing alone on {device} (min ms of {repeats} calls)\n")
     print("| V | B | setting | torch.sort (former) | ops.sampling_probs | speedup |")
     print("|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for vocab in vocabs:
         for rows in row_counts:
             # Logits of a peaked distribution (a few likely tokens over a long flat tail).
-            logits = torch.randn(rows, vocab, generator=gen) * 2.5
+            logits = (torch.randn(rows, vocab, generator=gen) * 2.5).to(device)
             for name, s in SETTINGS.items():
                 args = (
                     logits,
-                    torch.full((rows,), s["temperature"]),
-                    torch.full((rows,), s["top_k"], dtype=torch.int64),
-                    torch.full((rows,), s["top_p"]),
+                    torch.full((rows,), s["temperature"], device=device),
+                    torch.full((rows,), s["top_k"], dtype=torch.int64, device=device),
+                    torch.full((rows,), s["top_p"], device=device),
                 )
-                old = best_ms(sort_sampling_probs, args, repeats)
-                new = best_ms(native_sampling_probs, args, repeats)
+                old = best_ms(sort_sampling_probs, args, repeats, device)
+                new = best_ms(native_sampling_probs, args, repeats, device)
                 print(f"| {vocab} | {rows} | {name} | {old:.3f} | {new:.3f} | {old / new:.1f}x |")
 
 
@@ -151,11 +163,16 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--skip-generation", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"# torch {torch.__version__}, {args.threads} thread(s)")
-    processing_table(args.vocab, args.rows, args.repeats)
-    generation_table(args.seeds, args.new)
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"# torch {torch.__version__}, {args.threads} CPU thread(s), {name}")
+    processing_table(args.vocab, args.rows, args.repeats, device)
+    if not args.skip_generation:
+        generation_table(args.seeds, args.new)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 #      installed into /tmp/site (the image's own packages untouched);
 #   2. tests: the `cuda`-marked tests (the kernels against the CPU path, token for token and to the
 #      float64 reference);
-#   3. benchmarks: bench_verify.py and bench_attention.py with --device cuda (quick tables);
+#   3. benchmarks: bench_verify.py, bench_attention.py and draft_sampling.py with --device cuda
+#      (quick tables);
 #   4. with the time left, compute-sanitizer's memcheck and racecheck over the small GPU tests.
 #
 # Budget (SD_GPU_BUDGET, seconds; default 560 of the tool's 600-second limit per command) is
@@ -90,6 +91,8 @@ if wants bench; then
   phase bench_verify 100 "$py" "$repo/bench/bench_verify.py" --device cuda --quick \
     --out "$out/bench_verify.md"
   phase bench_attention 100 "$py" "$repo/bench/bench_attention.py" --device cuda --quick
+  phase bench_draft_sampling 40 "$py" "$repo/bench/draft_sampling.py" --device cuda \
+    --skip-generation --repeats 20
 fi
 
 # Last, with what is left: the kernels under compute-sanitizer (out-of-bounds and shared-memory
