@@ -32,6 +32,30 @@ void check_param(const Array& a, const Array& like, DType dtype, int64_t batch) 
   a.expect_dtype({dtype}).expect_shape({batch}, {"B"}).expect_contiguous().expect_same_device(like);
 }
 
+// A call's per-sequence processing parameters, each [B] on the device of `like`.
+struct Processing {
+  Array temperature;  // float32
+  Array top_k;        // int32
+  Array top_p;        // float32
+};
+
+Processing processing_arrays(py::handle temperature_obj, py::handle top_k_obj, py::handle top_p_obj,
+                             const Array& like, int64_t batch) {
+  Processing p{Array::from_python(temperature_obj, "temperature"),
+               Array::from_python(top_k_obj, "top_k"), Array::from_python(top_p_obj, "top_p")};
+  check_param(p.temperature, like, DType::kFloat32, batch);
+  check_param(p.top_k, like, DType::kInt32, batch);
+  check_param(p.top_p, like, DType::kFloat32, batch);
+  return p;
+}
+
+void check_vocab(int64_t vocab, const char* name) {
+  if (vocab < 1 || vocab > verify::kMaxVocab) {
+    throw_value_error(std::string(name) + ": the vocabulary size must be in [1, " +
+                      std::to_string(verify::kMaxVocab) + "], got V = " + std::to_string(vocab));
+  }
+}
+
 void check_output(const Array& out, const Array& like, std::initializer_list<int64_t> shape) {
   out.expect_dtype({DType::kInt32})
       .expect_shape(shape)
@@ -57,10 +81,7 @@ void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle draf
     throw_value_error("target: a draft tree has 1 to " + std::to_string(kMaxTreeNodes) +
                       " nodes, got N = " + std::to_string(n));
   }
-  if (vocab < 1 || vocab > verify::kMaxVocab) {
-    throw_value_error("target: the vocabulary size must be in [1, " +
-                      std::to_string(verify::kMaxVocab) + "], got V = " + std::to_string(vocab));
-  }
+  check_vocab(vocab, "target");
   std::optional<Array> draft = optional_array(draft_obj, "draft_probs");
   if (draft) {
     draft->expect_dtype({DType::kFloat32, DType::kFloat16, DType::kBFloat16})
@@ -96,12 +117,7 @@ void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle draf
         .expect_contiguous()
         .expect_same_device(target);
   }
-  Array temperature = Array::from_python(temperature_obj, "temperature");
-  check_param(temperature, target, DType::kFloat32, batch);
-  Array top_k = Array::from_python(top_k_obj, "top_k");
-  check_param(top_k, target, DType::kInt32, batch);
-  Array top_p = Array::from_python(top_p_obj, "top_p");
-  check_param(top_p, target, DType::kFloat32, batch);
+  const Processing proc = processing_arrays(temperature_obj, top_k_obj, top_p_obj, target, batch);
   Array seed = Array::from_python(seed_obj, "seed");
   check_param(seed, target, DType::kInt64, batch);
   Array offset = Array::from_python(offset_obj, "offset");
@@ -133,9 +149,9 @@ void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle draf
   args.parents = parents ? parents->data<int32_t>() : nullptr;
   args.num_nodes = num_nodes ? num_nodes->data<int32_t>() : nullptr;
   args.allow = allow ? allow->data<uint8_t>() : nullptr;
-  args.temperature = temperature.data<float>();
-  args.top_k = top_k.data<int32_t>();
-  args.top_p = top_p.data<float>();
+  args.temperature = proc.temperature.data<float>();
+  args.top_k = proc.top_k.data<int32_t>();
+  args.top_p = proc.top_p.data<float>();
   args.seed = seed.data<int64_t>();
   args.offset = offset.data<int64_t>();
   args.batch = batch;
@@ -204,16 +220,8 @@ void sampling_probs_binding(py::handle rows_obj, py::handle temperature_obj, py:
       .expect_ndim(2)
       .expect_contiguous();
   const int64_t batch = rows.size(0), vocab = rows.size(1);
-  if (vocab < 1 || vocab > verify::kMaxVocab) {
-    throw_value_error("logits: the vocabulary size must be in [1, " +
-                      std::to_string(verify::kMaxVocab) + "], got V = " + std::to_string(vocab));
-  }
-  Array temperature = Array::from_python(temperature_obj, "temperature");
-  check_param(temperature, rows, DType::kFloat32, batch);
-  Array top_k = Array::from_python(top_k_obj, "top_k");
-  check_param(top_k, rows, DType::kInt32, batch);
-  Array top_p = Array::from_python(top_p_obj, "top_p");
-  check_param(top_p, rows, DType::kFloat32, batch);
+  check_vocab(vocab, "logits");
+  const Processing proc = processing_arrays(temperature_obj, top_k_obj, top_p_obj, rows, batch);
   Array probs = Array::from_python(probs_obj, "probs", true);
   probs.expect_dtype({DType::kFloat32})
       .expect_shape({batch, vocab}, {"B", "V"})
@@ -224,9 +232,9 @@ void sampling_probs_binding(py::handle rows_obj, py::handle temperature_obj, py:
 
   verify::DistributionArgs args{};
   args.rows = rows.raw();
-  args.temperature = temperature.data<float>();
-  args.top_k = top_k.data<int32_t>();
-  args.top_p = top_p.data<float>();
+  args.temperature = proc.temperature.data<float>();
+  args.top_k = proc.top_k.data<int32_t>();
+  args.top_p = proc.top_p.data<float>();
   args.batch = batch;
   args.vocab = vocab;
   args.logits = logits;
