@@ -1380,8 +1380,12 @@ class SpeculativeDecoder:
                     f"drafter: draft_probs has shape {list(probs.shape)}, expected "
                     f"[{len(active)}, {width}, {vocab}]"
                 )
-            full_probs = torch.zeros((batch, width, vocab), dtype=probs.dtype)
-            full_probs[torch.tensor(act, dtype=torch.int64)] = probs.cpu()
+            if len(act) == batch:
+                # Every row runs: the drafter's rows as they are (nothing below writes to them).
+                full_probs = probs.cpu()
+            else:
+                full_probs = torch.zeros((batch, width, vocab), dtype=probs.dtype)
+                full_probs[torch.tensor(act, dtype=torch.int64)] = probs.cpu()
         deterministic = getattr(proposal, "draft_deterministic", None)
         full_deterministic = None
         if deterministic is not None and full_probs is not None:
