@@ -4,12 +4,14 @@ request validation."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from conftest import requires_cuda
 from reference_engine import first_tokens_distribution, greedy_reference, tiny_transformer
 from specdecode.drafters import CachebackDrafter, CombinedDrafter, ModelDrafter, NoDrafter
 from specdecode.models import HFCausalLM
@@ -1151,3 +1153,47 @@ def test_finished_rows_kept_in_the_cache_get_root_only_trees(
             if i not in act:
                 assert int(tree.num_nodes[i]) == 1
                 assert tree.tokens[i, 1:].eq(-1).all()
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------
+
+
+def on_cuda(model: Any) -> Any:
+    return copy.deepcopy(model).to("cuda")
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_cuda_greedy_equals_the_targets_own_decoding(kind, target, draft_model, references):
+    """The whole loop with the models on a GPU (tree attention, compaction and verify on CUDA):
+    each drafter's greedy output is the target's own greedy decoding on that GPU, for batches of
+    1 and 8 rows of different lengths."""
+    prompts, _ = references
+    gpu_target, gpu_draft = on_cuda(target), on_cuda(draft_model)
+    for batch in (1, 8):
+        plain = generate(gpu_target, prompts[:batch], max_new_tokens=16, temperature=0.0)
+        out = SpeculativeDecoder(gpu_target, make_drafter(kind, gpu_draft)).generate(
+            prompts[:batch], max_new_tokens=16, temperature=0.0
+        )
+        assert out.sequences == plain.sequences, f"batch {batch}"
+        assert out.stats.new_tokens == 16 * batch
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("kind", ["chain", "combined"])
+def test_cuda_sampling_equals_the_cpu_run(kind, target, draft_model):
+    """Sampled generation on a GPU draws the CPU run's tokens: verify's and the draft's
+    randomness are keyed by (seed, offset, node), not by device. The models' logits differ by
+    float rounding between the devices, which could flip a draw only when a uniform falls within
+    about 1e-6 of a boundary (odds near 1e-4 over this run's draws); seeds make it repeatable."""
+    prompts = prompts_for(4)
+    kwargs = dict(max_new_tokens=12, temperature=0.9, top_k=20, top_p=0.95, seed=[7, 8, 9, 10])
+    cpu = generate(target, prompts, drafter=make_drafter(kind, draft_model), **kwargs)
+    gpu_target, gpu_draft = on_cuda(target), on_cuda(draft_model)
+    gpu = generate(gpu_target, prompts, drafter=make_drafter(kind, gpu_draft), **kwargs)
+    assert gpu.sequences == cpu.sequences
+    assert gpu.stats.steps == cpu.stats.steps
+    again = generate(gpu_target, prompts, drafter=make_drafter(kind, gpu_draft), **kwargs)
+    assert again.sequences == gpu.sequences
