@@ -12,8 +12,12 @@
 #   2. tests: the `cuda`-marked tests (the kernels against the CPU path, token for token and to the
 #      float64 reference);
 #   3. benchmarks: bench_verify.py, bench_attention.py and draft_sampling.py with --device cuda
-#      (quick tables);
-#   4. with the time left, compute-sanitizer's memcheck and racecheck over the small GPU tests.
+#      (quick tables), and gpu_profile.py (each op's kernels against its host time);
+#   4. with the time left, compute-sanitizer's memcheck and racecheck over the small GPU tests
+#      (phase "sanitizer").
+#
+# The logs and tables come back as $OUT/logs.tgz (at most 8 files return from the machine), with
+# $OUT/summary.txt and $OUT/machine.txt beside it.
 #
 # Budget (SD_GPU_BUDGET, seconds; default 560 of the tool's 600-second limit per command) is
 # shared out in that order. Set SD_GPU_PHASES (e.g. "tests bench") to skip a phase that an
@@ -29,7 +33,7 @@ set -uo pipefail
 out=${OUT:-/tmp/sd_gpu_out}
 mkdir -p "$out"
 budget=${SD_GPU_BUDGET:-560}
-phases=${SD_GPU_PHASES:-"build tests bench"}
+phases=${SD_GPU_PHASES:-"build tests bench sanitizer"}
 py=${PYTHON:-python3}
 site=/tmp/site
 start=$(date +%s)
@@ -116,13 +120,14 @@ if wants bench; then
   phase bench_verify 150 "$py" "$repo/bench/bench_verify.py" --device cuda $quick \
     --out "$out/bench_verify.md"
   phase bench_attention 120 "$py" "$repo/bench/bench_attention.py" --device cuda $quick
+  phase gpu_profile 60 "$py" "$repo/bench/gpu_profile.py" --out "$out/gpu_profile.md"
   phase bench_draft_sampling 40 "$py" "$repo/bench/draft_sampling.py" --device cuda \
     --skip-generation --repeats 20
 fi
 
 # Last, with what is left: the kernels under compute-sanitizer (out-of-bounds and shared-memory
 # races), on the smallest cases of the GPU tests.
-if wants tests && command -v compute-sanitizer >/dev/null; then
+if wants sanitizer && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     phase "sanitizer_$tool" 60 compute-sanitizer --tool "$tool" --error-exitcode 7 \
       "$py" -m pytest -q -x -m cuda -p no:cacheprovider --rootdir "$repo" \
@@ -132,3 +137,6 @@ if wants tests && command -v compute-sanitizer >/dev/null; then
 fi
 
 echo "total: $(($(date +%s) - start)) s" | tee -a "$summary"
+# At most 8 files come back from the machine: the logs and tables travel as one archive.
+(cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude=_C.so.gz ./*.log ./*.md ./*.txt \
+  2>/dev/null && find . -maxdepth 1 \( -name '*.log' -o -name '*.md' \) -delete)

@@ -4,7 +4,6 @@ request validation."""
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -1158,19 +1157,22 @@ def test_finished_rows_kept_in_the_cache_get_root_only_trees(
 # ---- on a GPU ------------------------------------------------------------------------------------
 
 
-def on_cuda(model: Any) -> Any:
-    return copy.deepcopy(model).to("cuda")
+@pytest.fixture(scope="module")
+def cuda_models():
+    """The target and draft fixtures' models, built afresh on the GPU (a model that ran on the
+    CPU holds packed CPU weights, which deepcopy cannot copy)."""
+    return tiny_transformer(seed=1).to("cuda"), tiny_transformer(seed=2, layers=1).to("cuda")
 
 
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("kind", DRAFTERS)
-def test_cuda_greedy_equals_the_targets_own_decoding(kind, target, draft_model, references):
+def test_cuda_greedy_equals_the_targets_own_decoding(kind, cuda_models, references):
     """The whole loop with the models on a GPU (tree attention, compaction and verify on CUDA):
     each drafter's greedy output is the target's own greedy decoding on that GPU, for batches of
     1 and 8 rows of different lengths."""
     prompts, _ = references
-    gpu_target, gpu_draft = on_cuda(target), on_cuda(draft_model)
+    gpu_target, gpu_draft = cuda_models
     for batch in (1, 8):
         plain = generate(gpu_target, prompts[:batch], max_new_tokens=16, temperature=0.0)
         out = SpeculativeDecoder(gpu_target, make_drafter(kind, gpu_draft)).generate(
@@ -1183,7 +1185,7 @@ def test_cuda_greedy_equals_the_targets_own_decoding(kind, target, draft_model, 
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("kind", ["chain", "combined"])
-def test_cuda_sampling_equals_the_cpu_run(kind, target, draft_model):
+def test_cuda_sampling_equals_the_cpu_run(kind, target, draft_model, cuda_models):
     """Sampled generation on a GPU draws the CPU run's tokens: verify's and the draft's
     randomness are keyed by (seed, offset, node), not by device. The models' logits differ by
     float rounding between the devices, which could flip a draw only when a uniform falls within
@@ -1191,7 +1193,7 @@ def test_cuda_sampling_equals_the_cpu_run(kind, target, draft_model):
     prompts = prompts_for(4)
     kwargs = dict(max_new_tokens=12, temperature=0.9, top_k=20, top_p=0.95, seed=[7, 8, 9, 10])
     cpu = generate(target, prompts, drafter=make_drafter(kind, draft_model), **kwargs)
-    gpu_target, gpu_draft = on_cuda(target), on_cuda(draft_model)
+    gpu_target, gpu_draft = cuda_models
     gpu = generate(gpu_target, prompts, drafter=make_drafter(kind, gpu_draft), **kwargs)
     assert gpu.sequences == cpu.sequences
     assert gpu.stats.steps == cpu.stats.steps

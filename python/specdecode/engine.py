@@ -1231,7 +1231,7 @@ class SpeculativeDecoder:
             budget = int(tree.num_nodes.max())
             state.scored_roots_only = budget == 1
         t1 = time.perf_counter()
-        tokens, positions = self._tree_input(cache, tree)
+        tokens, positions, mask = self._tree_input(cache, tree)
         extra = {}
         if self._ragged:
             # Finished rows still in the cache score nothing (their root is dropped again).
@@ -1239,7 +1239,7 @@ class SpeculativeDecoder:
             real[idx] = tree.num_nodes[idx]
             extra["num_nodes"] = real
         tf = time.perf_counter()
-        logits = self.target.forward(tokens, positions, cache, tree_mask=tree.mask, **extra)
+        logits = self.target.forward(tokens, positions, cache, tree_mask=mask, **extra)
         forward_time = time.perf_counter() - tf
         result = self._verify(state, tree, logits)
         t2 = time.perf_counter()
@@ -1429,9 +1429,12 @@ class SpeculativeDecoder:
             full_deterministic,
         )
 
-    def _tree_input(self, cache: Any, tree: _Tree) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target input over the trees: padding nodes become token 0 at the root's position
-        (their mask rows are empty and their outputs unused)."""
+    def _tree_input(
+        self, cache: Any, tree: _Tree
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Target input over the trees, on the target's device: token ids and positions (int64
+        ``[B, N]``) and the tree mask (uint32 ``[B, N, W]``). Padding nodes become token 0 at
+        the root's position (their mask rows are empty and their outputs unused)."""
         vocab = int(self.target.vocab_size)
         # On numpy views of the CPU trees: [B, N] with N a few dozen, where torch's per-op cost
         # would exceed the work.
@@ -1449,7 +1452,7 @@ class SpeculativeDecoder:
         prefix = cache.lengths.to("cpu", torch.int64).numpy()[:, None]
         positions = torch.from_numpy(prefix + np.maximum(depth, 0))
         tokens = torch.from_numpy(np.maximum(host_tokens, 0).astype(np.int64))
-        return tokens.to(device), positions.to(device)
+        return tokens.to(device), positions.to(device), tree.mask.to(device)
 
     def _verify(self, state: _Batch, tree: _Tree, logits: torch.Tensor) -> ops.VerifyResult:
         device = logits.device
