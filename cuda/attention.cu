@@ -2,13 +2,16 @@
 //
 // Kernel 1 (attend): a thread block owns one KV head of one sequence, one range of the prefix
 // (its split) and up to kRowsPerBlock of the T x (Hq / Hkv) query rows that share the head; it
-// streams the range through shared memory in tiles of 32 keys, so each key is read from global
-// memory once per block and used by every row of the block. A warp serves kRowsPerWarp rows:
+// streams the range through shared memory in tiles of 32 keys (16-byte loads where the cache's
+// layout allows), so each key is read from global memory once per block and used by every row of
+// the block. A warp serves kRowsPerWarp rows, spread so that a small group fills every warp:
 // for scores, lane j takes key j of the tile; for the output, lane i takes dims i, i + 32, ...
 // The last split also runs the masked tree part. Prefix and tree keep separate online-softmax
 // states, merged with the log-sum-exp rule of specdecode/attention.h (the same functions the CPU
 // runs). Kernel 2 (merge) folds the splits' partials in split order.
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 
 #include "attention.cuh"
 #include "launch.cuh"
@@ -27,24 +30,46 @@ constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
 
 template <AttnDType DT>
 struct Elem;
+// load / store: one element as float; word: the elements of a 32-bit word of memory (one float
+// or two 16-bit values, low half first), as floats in memory order.
 template <>
 struct Elem<AttnDType::kFloat32> {
   using T = float;
   static __device__ float load(const T* p) { return *p; }
   static __device__ T store(float f) { return f; }
+  static __device__ void word(uint32_t w, float* out) { out[0] = bits_to_float(w); }
 };
 template <>
 struct Elem<AttnDType::kFloat16> {
   using T = uint16_t;
   static __device__ float load(const T* p) { return half_to_float(*p); }
   static __device__ T store(float f) { return float_to_half(f); }
+  static __device__ void word(uint32_t w, float* out) {
+    out[0] = half_to_float(static_cast<uint16_t>(w & 0xffffu));
+    out[1] = half_to_float(static_cast<uint16_t>(w >> 16));
+  }
 };
 template <>
 struct Elem<AttnDType::kBFloat16> {
   using T = uint16_t;
   static __device__ float load(const T* p) { return bf16_to_float(*p); }
   static __device__ T store(float f) { return float_to_bf16(f); }
+  static __device__ void word(uint32_t w, float* out) {
+    out[0] = bf16_to_float(static_cast<uint16_t>(w & 0xffffu));
+    out[1] = bf16_to_float(static_cast<uint16_t>(w >> 16));
+  }
 };
+
+// One 16-byte chunk of memory (p 16-byte aligned): a single 128-bit load on the GPU.
+__device__ __forceinline__ uint4 load_chunk(const void* p) {
+#if defined(__CUDA_ARCH__)
+  return *static_cast<const uint4*>(p);
+#else
+  uint4 c;
+  std::memcpy(&c, p, sizeof(c));
+  return c;
+#endif
+}
 
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
@@ -62,15 +87,80 @@ struct Params {
   int splits;
   int row_tiles;
   int words;
+  bool vec_kv;  // K and V rows start on 16-byte boundaries: tiles move in 16-byte chunks
   float* part_o;
   float* part_lse;
 };
+
+// Row r of a block's kRowsPerBlock query rows is row r / kWarps of warp r % kWarps: the rows of
+// a small group (decoding: T = 1, Hq / Hkv rows) land on different warps and run in parallel.
+__device__ __forceinline__ int block_row(int warp, int i) { return i * kWarps + warp; }
 
 // Shared memory: K tile [kTile][D + 1] (padded: lane j reads row j, so rows must fall in
 // different banks), V tile [kTile][D], query rows [kRowsPerBlock][D], all float.
 template <int D>
 constexpr int smem_floats() {
   return kTile * (D + 1) + kTile * D + kRowsPerBlock * D;
+}
+
+// Copies keys [j0, j0 + n) of K and V (row stride rs) into the shared tiles as floats; rows n ..
+// kTile - 1 become zero. With vec, a thread moves 16-byte chunks and issues all its loads before
+// its first shared store, so a tile costs one memory round trip, not one per element it holds.
+template <int D, AttnDType DT>
+__device__ __forceinline__ void load_tile(const typename Elem<DT>::T* k,
+                                          const typename Elem<DT>::T* v, int64_t rs, int64_t j0,
+                                          int n, bool vec, float* ks, float* vs) {
+  using T = typename Elem<DT>::T;
+  constexpr int kThreads = kWarps * kWarp;
+  if (vec) {
+    constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));
+    constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
+    static_assert(D % kPerChunk == 0, "a head's row is a whole number of 16-byte chunks");
+    constexpr int kChunksPerRow = D / kPerChunk;
+    constexpr int kChunks = kTile * kChunksPerRow;
+    constexpr int kLoads = (kChunks + kThreads - 1) / kThreads;
+    uint4 kc[kLoads], vc[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int c = static_cast<int>(threadIdx.x) + u * kThreads;
+      const int j = c / kChunksPerRow, d0 = c % kChunksPerRow * kPerChunk;
+      kc[u] = vc[u] = uint4{0u, 0u, 0u, 0u};
+      if (c < kChunks && j < n) {
+        kc[u] = load_chunk(k + (j0 + j) * rs + d0);
+        vc[u] = load_chunk(v + (j0 + j) * rs + d0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int c = static_cast<int>(threadIdx.x) + u * kThreads;
+      if (c >= kChunks) continue;
+      const int j = c / kChunksPerRow, d0 = c % kChunksPerRow * kPerChunk;
+      const uint32_t kw[4] = {kc[u].x, kc[u].y, kc[u].z, kc[u].w};
+      const uint32_t vw[4] = {vc[u].x, vc[u].y, vc[u].z, vc[u].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        float kf[kPerWord], vf[kPerWord];
+        Elem<DT>::word(kw[w], kf);
+        Elem<DT>::word(vw[w], vf);
+#pragma unroll
+        for (int e = 0; e < kPerWord; ++e) {
+          ks[j * (D + 1) + d0 + w * kPerWord + e] = kf[e];
+          vs[j * D + d0 + w * kPerWord + e] = vf[e];
+        }
+      }
+    }
+    return;
+  }
+  for (int e = threadIdx.x; e < kTile * D; e += kThreads) {
+    const int j = e / D, d = e % D;
+    float kv = 0.0f, vv = 0.0f;
+    if (j < n) {
+      kv = Elem<DT>::load(k + (j0 + j) * rs + d);
+      vv = Elem<DT>::load(v + (j0 + j) * rs + d);
+    }
+    ks[j * (D + 1) + d] = kv;
+    vs[j * D + d] = vv;
+  }
 }
 
 // Streams keys [begin, end) (relative to `k`/`v`, which point at position 0 of the range's
@@ -95,20 +185,11 @@ __device__ __forceinline__ void attend_range(const Params& p, const typename Ele
   for (int64_t j0 = begin; j0 < end; j0 += kTile) {
     const int n = static_cast<int>(min64(kTile, end - j0));
     __syncthreads();  // the previous tile is no longer read
-    for (int e = threadIdx.x; e < kTile * D; e += blockDim.x) {
-      const int j = e / D, d = e % D;
-      float kv = 0.0f, vv = 0.0f;
-      if (j < n) {
-        kv = Elem<DT>::load(k + (j0 + j) * rs + d);
-        vv = Elem<DT>::load(v + (j0 + j) * rs + d);
-      }
-      ks[j * (D + 1) + d] = kv;
-      vs[j * D + d] = vv;
-    }
+    load_tile<D, DT>(k, v, rs, j0, n, p.vec_kv, ks, vs);
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
-      const int r = warp * kRowsPerWarp + i;
+      const int r = block_row(warp, i);
       if (!row_ok[i]) continue;  // uniform across the warp
       const float* q = qs + r * D;
       const int j = lane;
@@ -182,7 +263,7 @@ __global__ void __launch_bounds__(kWarps* kWarp) attend_kernel(Params p) {
   bool row_ok[kRowsPerWarp];
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int64_t rr = static_cast<int64_t>(tile) * kRowsPerBlock + warp * kRowsPerWarp + i;
+    const int64_t rr = static_cast<int64_t>(tile) * kRowsPerBlock + block_row(warp, i);
     row_ok[i] = ok && rr < rows;
     row_t[i] = static_cast<int>(rr / g);
   }
@@ -207,7 +288,7 @@ __global__ void __launch_bounds__(kWarps* kWarp) attend_kernel(Params p) {
 #pragma unroll
 
   for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int64_t rr = static_cast<int64_t>(tile) * kRowsPerBlock + warp * kRowsPerWarp + i;
+    const int64_t rr = static_cast<int64_t>(tile) * kRowsPerBlock + block_row(warp, i);
     if (rr >= rows) continue;
     float inv_p, inv_t;
     const float lse_p = softmax_finish(st_p[i], &inv_p);
@@ -372,6 +453,10 @@ cudaError_t tree_attention(const AttentionArgs& args, int splits, float* part_o,
   p.words = mask_words(static_cast<int>(args.tree_len));
   p.part_o = part_o;
   p.part_lse = part_lse;
+  const int64_t per_chunk = args.dtype == AttnDType::kFloat32 ? 4 : 8;  // elements in 16 bytes
+  p.vec_kv = reinterpret_cast<uintptr_t>(args.k) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(args.v) % 16 == 0 && args.kv_strides[0] % per_chunk == 0 &&
+             args.kv_strides[1] % per_chunk == 0 && args.kv_strides[2] % per_chunk == 0;
   switch (args.dtype) {
     case AttnDType::kFloat32:
       return launch_dtype<AttnDType::kFloat32>(p, stream);

@@ -331,6 +331,22 @@ def test_tree_attention_equals_the_cpu_and_reference(dtype, d, t, prefix, splits
         assert (lse - cpu_lse)[fin].abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 80])
+@pytest.mark.parametrize("t,prefix,splits", [(1, 300, 3), (9, 90, 1)])
+def test_tree_attention_of_a_cache_off_16_byte_boundaries(dtype, d, t, prefix, splits):
+    """Head slots of d + 1 elements: K/V rows start off 16-byte boundaries, and the kernel
+    loads its tiles element by element instead of in 16-byte chunks."""
+    q, k, v, lens, gen = make_case(2, t, 8, 2, d, [prefix, prefix // 3], dtype, strided="odd")
+    mask = ops.tree_info(random_attention_parents(2, t, gen)).mask
+    cpu_out = ops.tree_attention(q, k, v, lens, mask)
+    with on_emulator(splits=splits):
+        out = ops.tree_attention(q, k, v, lens, mask)
+    ref_out, _ = tree_attention_ref(q, k, v, lens, mask)
+    assert (out.double() - ref_out).abs().max().item() <= TOL[dtype]
+    assert (out.float() - cpu_out.float()).abs().max().item() <= TOL[dtype]
+
+
 def test_tree_attention_of_a_256_node_tree():
     """T = 256: eight mask words per row, 32 thread blocks of rows per KV head, a tree part of
     eight key tiles."""

@@ -57,10 +57,13 @@ def make_case(
     q = torch.randn(batch, t, hq, d, generator=gen).to(dtype)
     if strided:
         # Views into a larger buffer: extra heads and a longer head slot, as in a paged layout.
-        buf_k = torch.randn(batch, s + 5, hkv + 2, d + 16, generator=gen).to(dtype)
-        buf_v = torch.randn(batch, s + 5, hkv + 2, d + 16, generator=gen).to(dtype)
-        k = buf_k[:, 2 : s + 2, 1 : hkv + 1, 8 : d + 8]
-        v = buf_v[:, 2 : s + 2, 1 : hkv + 1, 8 : d + 8]
+        # strided="odd": head slots of d + 1 elements, so rows start off 16-byte boundaries
+        # (the CUDA kernel's element-wise loads instead of its 16-byte ones).
+        slot, start = (d + 1, 1) if strided == "odd" else (d + 16, 8)
+        buf_k = torch.randn(batch, s + 5, hkv + 2, slot, generator=gen).to(dtype)
+        buf_v = torch.randn(batch, s + 5, hkv + 2, slot, generator=gen).to(dtype)
+        k = buf_k[:, 2 : s + 2, 1 : hkv + 1, start : d + start]
+        v = buf_v[:, 2 : s + 2, 1 : hkv + 1, start : d + start]
         assert not k.is_contiguous()
     else:
         k = torch.randn(batch, s, hkv, d, generator=gen).to(dtype)
@@ -583,6 +586,32 @@ def test_cuda_matches_cpu_and_reference(dtype, d, t, prefix):
         fin = torch.isfinite(cpu_lse)
         assert torch.equal(torch.isfinite(gpu_lse.cpu()), fin)
         assert (gpu_lse.cpu() - cpu_lse)[fin].abs().max().item() < 1e-3
+
+
+def cuda_view(x: torch.Tensor) -> torch.Tensor:
+    """The same view (shape, strides, offset) of a copy of x's buffer on the GPU."""
+    base = x._base if x._base is not None else x
+    return base.cuda().as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [True, "odd"])
+@pytest.mark.parametrize("t,prefix", [(1, 700), (9, 300)])
+def test_cuda_strided_caches(dtype, layout, t, prefix):
+    """Caches that are views into larger buffers on the GPU itself (.cuda() of a view would
+    copy it contiguous): rows on 16-byte boundaries (16-byte loads) and off them (element-wise
+    loads)."""
+    q, k, v, lens, gen = make_case(2, t, 8, 2, 80, [prefix, prefix // 2], dtype, strided=layout)
+    mask = ops.tree_info(random_parents(2, t, gen)).mask
+    kc, vc = cuda_view(k), cuda_view(v)
+    assert kc.stride() == k.stride() and not kc.is_contiguous()
+    cpu_out = ops.tree_attention(q, k, v, lens, mask)
+    gpu_out = ops.tree_attention(q.cuda(), kc, vc, lens.cuda(), mask.cuda())
+    ref_out, _ = tree_attention_ref(q, k, v, lens, mask)
+    assert (gpu_out.cpu().double() - ref_out).abs().max().item() <= TOL[dtype]
+    assert (gpu_out.cpu().float() - cpu_out.float()).abs().max().item() <= TOL[dtype]
 
 
 @pytest.mark.cuda

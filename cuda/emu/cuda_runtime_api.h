@@ -61,6 +61,9 @@ using cudaStream_t = CUstream_st*;
 struct uint3 {
   unsigned x, y, z;
 };
+struct alignas(16) uint4 {  // CUDA's 16-byte vector type: one 128-bit load or store
+  unsigned x, y, z, w;
+};
 struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
