@@ -45,6 +45,7 @@ on the GPU's memory; times are taken after ``torch.cuda.synchronize()``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import sys
@@ -303,6 +304,23 @@ def sampling_rows(gen: torch.Generator) -> list[str]:
     return out
 
 
+def hf_speculative_sampling():
+    """transformers' ``_speculative_sampling`` as ``fn(ids, candidate_logits, k, new_logits)``,
+    or None without transformers. Some 5.x releases take a required ``is_done_candidate`` (the
+    draft ended on a stop token): False here, as for every case of this benchmark."""
+    try:
+        from transformers.generation.utils import _speculative_sampling
+    except ImportError:  # pragma: no cover
+        return None
+    if "is_done_candidate" not in inspect.signature(_speculative_sampling).parameters:
+        return _speculative_sampling
+
+    def run(ids, candidate_logits, k, new_logits):
+        return _speculative_sampling(ids, candidate_logits, k, new_logits, is_done_candidate=False)
+
+    return run
+
+
 def flashinfer_chain():
     """FlashInfer's chain_speculative_sampling as ``fn(target_probs, q, tokens)`` in our layout
     (``q[:, i]`` drew node ``i + 1``), or None without a GPU or without flashinfer."""
@@ -439,10 +457,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if fi_chain is not None else ""),
     ]
     print("\n".join(lines), flush=True)
-    try:
-        from transformers.generation.utils import _speculative_sampling
-    except ImportError:  # pragma: no cover
-        _speculative_sampling = None
+    _speculative_sampling = hf_speculative_sampling()
     heap = [-1] + [(i - 1) // 2 for i in range(1, 64)]
     shapes = [
         ("chain k=4", None, 5, True, None),

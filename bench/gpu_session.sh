@@ -27,7 +27,9 @@
 #
 # The build phase leaves the compiled module in $OUT/_C.so.gz. A later call on a fresh machine
 # whose change is Python only can skip the build: copy that file to .gpu/ (ignored by git), carry
-# it, and leave "build" out of SD_GPU_PHASES; the package is then python/ plus that module.
+# it, and leave "build" out of SD_GPU_PHASES; the package is then python/ plus that module. A
+# call that builds with such a module carried takes it as the baseline of gpu_profile.py (the
+# kernels before a change against after it, in one run).
 set -uo pipefail
 
 out=${OUT:-/tmp/sd_gpu_out}
@@ -80,6 +82,23 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 export SPECDECODE_CUDA_EMU=OFF
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 
+# install_carried DEST: python/specdecode plus the module carried in .gpu/_C.so.gz, as a
+# package under DEST.
+install_carried() {
+  mkdir -p "$1"
+  cp -r python/specdecode "$1/"
+  SITE=$1 "$py" - <<'PY'
+import gzip, os, shutil, sysconfig
+name = os.environ["SITE"] + "/specdecode/_C" + sysconfig.get_config_var("EXT_SUFFIX")
+with gzip.open(".gpu/_C.so.gz") as src, open(name, "wb") as dst:
+    shutil.copyfileobj(src, dst)
+print("module from .gpu/_C.so.gz ->", name)
+PY
+}
+
+# With a build and a carried module, the carried one is the baseline: gpu_profile.py runs on
+# both in the bench phase (the same machine, one after the other).
+base_site=
 if wants build; then
   # The test extra is not installed: its packages (pytest, numpy, transformers) are in the image
   # and nothing can be fetched there.
@@ -90,16 +109,11 @@ if wants build; then
     exit 1
   }
   gzip -c "$site"/specdecode/_C.*.so >"$out/_C.so.gz"
+  if [[ -f .gpu/_C.so.gz ]] && install_carried /tmp/site_base; then
+    base_site=/tmp/site_base
+  fi
 elif [[ -f .gpu/_C.so.gz ]]; then
-  mkdir -p "$site"
-  cp -r python/specdecode "$site/"
-  SITE=$site "$py" - <<'PY' || exit 1
-import gzip, os, shutil, sysconfig
-name = os.environ["SITE"] + "/specdecode/_C" + sysconfig.get_config_var("EXT_SUFFIX")
-with gzip.open(".gpu/_C.so.gz") as src, open(name, "wb") as dst:
-    shutil.copyfileobj(src, dst)
-print("module from .gpu/_C.so.gz ->", name)
-PY
+  install_carried "$site" || exit 1
 else
   echo "no build phase and no .gpu/_C.so.gz: nothing to test" | tee -a "$summary"
   exit 1
@@ -117,10 +131,14 @@ fi
 if wants bench; then
   quick=--quick
   [[ ${SD_GPU_FULL:-0} == 1 ]] && quick=
+  phase gpu_profile 60 "$py" "$repo/bench/gpu_profile.py" --out "$out/gpu_profile.md"
+  if [[ -n $base_site ]]; then
+    phase gpu_profile_base 60 env PYTHONPATH="$base_site" "$py" "$repo/bench/gpu_profile.py" \
+      --out "$out/gpu_profile_base.md"
+  fi
+  phase bench_attention 120 "$py" "$repo/bench/bench_attention.py" --device cuda $quick
   phase bench_verify 150 "$py" "$repo/bench/bench_verify.py" --device cuda $quick \
     --out "$out/bench_verify.md"
-  phase bench_attention 120 "$py" "$repo/bench/bench_attention.py" --device cuda $quick
-  phase gpu_profile 60 "$py" "$repo/bench/gpu_profile.py" --out "$out/gpu_profile.md"
   phase bench_draft_sampling 40 "$py" "$repo/bench/draft_sampling.py" --device cuda \
     --skip-generation --repeats 20
 fi
