@@ -12,7 +12,8 @@
 #   2. tests: the `cuda`-marked tests (the kernels against the CPU path, token for token and to the
 #      float64 reference);
 #   3. benchmarks: bench_verify.py, bench_attention.py and draft_sampling.py with --device cuda
-#      (quick tables), and gpu_profile.py (each op's kernels against its host time);
+#      (quick tables), gpu_profile.py (each op's kernels against its host time) and
+#      `specdecode demo --device cuda` (the engine end to end on the GPU);
 #   4. with the time left, compute-sanitizer's memcheck and racecheck over the small GPU tests
 #      (phase "sanitizer").
 #
@@ -139,6 +140,7 @@ if wants bench; then
   phase bench_attention 120 "$py" "$repo/bench/bench_attention.py" --device cuda $quick
   phase bench_verify 150 "$py" "$repo/bench/bench_verify.py" --device cuda $quick \
     --out "$out/bench_verify.md"
+  phase demo_cuda 60 "$py" -m specdecode demo --device cuda --repeats 2
   phase bench_draft_sampling 40 "$py" "$repo/bench/draft_sampling.py" --device cuda \
     --skip-generation --repeats 20
 fi
@@ -156,5 +158,5 @@ fi
 
 echo "total: $(($(date +%s) - start)) s" | tee -a "$summary"
 # At most 8 files come back from the machine: the logs and tables travel as one archive.
-(cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude=_C.so.gz ./*.log ./*.md ./*.txt \
-  2>/dev/null && find . -maxdepth 1 \( -name '*.log' -o -name '*.md' \) -delete)
+(cd "$out" && shopt -s nullglob && tar czf logs.tgz ./*.log ./*.md ./*.txt &&
+  find . -maxdepth 1 \( -name '*.log' -o -name '*.md' \) -delete)

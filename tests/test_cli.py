@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import requires_cuda
 from specdecode.drafters import CachebackDrafter, ModelDrafter, NoDrafter
 from specdecode.engine import generate
 from specdecode.models import Transformer
@@ -132,6 +133,28 @@ def test_demo_prints_code_table_and_identical():
     )
     assert "drafters are identical to autoregressive" in out
     assert "tokens" in res.stderr  # the progress bar
+
+
+def test_demo_device_errors(capsys):
+    code, _, err = run_main(["demo", "--device", "mps"], capsys)
+    assert "--device: expected cpu, cuda or cuda:N" in _one_clean_line(code, err)
+    code, _, err = run_main(["demo", "--device", "not a device"], capsys)
+    assert "is not a device" in _one_clean_line(code, err)
+    if not torch.cuda.is_available():
+        code, _, err = run_main(["demo", "--device", "cuda"], capsys)
+        assert "torch sees no CUDA device" in _one_clean_line(code, err)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@requires_pycode
+def test_demo_on_a_gpu():
+    res = run_cli(
+        "demo", "--device", "cuda", "--max-new-tokens", "16", "--prompts", "2", "--repeats", "1"
+    )
+    assert res.returncode == 0, res.stderr
+    assert "on cuda" in res.stdout.splitlines()[0]
+    assert "drafters are identical to autoregressive" in res.stdout
 
 
 def test_find_mismatches_names_drafter_prompt_and_position():

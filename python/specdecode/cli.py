@@ -520,6 +520,46 @@ def format_table(rows: Sequence[DemoRow], baseline: DemoRow) -> str:
     return "\n".join(lines)
 
 
+def _demo_device(spec: str) -> Any:
+    """``--device``: a torch device the models and the kernels can run on.
+
+    Raises
+    ------
+    CLIError
+        An unparsable device, a GPU that torch does not see, or a build without CUDA kernels.
+    """
+    import torch
+
+    from ._info import info
+
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"--device: {spec!r} is not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise CLIError(f"--device: expected cpu, cuda or cuda:N, got {spec!r}")
+    if not torch.cuda.is_available():
+        raise CLIError(f"--device {spec}: torch sees no CUDA device here")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise CLIError(f"--device {spec}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    if not info()["cuda"]["compiled"]:
+        raise CLIError(
+            f"--device {spec}: this build of specdecode has no CUDA kernels (reinstall it with "
+            "nvcc present, or SPECDECODE_CUDA=ON)"
+        )
+    return device
+
+
+def _device_name(device: Any) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .drafters import CachebackDrafter, ModelDrafter, NoDrafter
     from .engine import generate
@@ -528,10 +568,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     names = _zoo_names()
     if args.model not in names:
         raise CLIError(f"--model: unknown zoo model {args.model!r} (known: {', '.join(names)})")
+    device = _demo_device(args.device)
     t_load = time.perf_counter()
     loaded = load_model(args.model)
     load_seconds = time.perf_counter() - t_load
-    target, draft, codec = loaded.target, loaded.draft, loaded.codec
+    target, draft, codec = loaded.target.to(device), loaded.draft.to(device), loaded.codec
     texts = list(DEMO_PROMPTS[: args.prompts])
     prompts = [codec.encode(t) for t in texts]
     longest = max(len(p) for p in prompts)
@@ -559,7 +600,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         f"specdecode demo: zoo pair {args.model!r} (target {params(target)} parameters, draft "
         f"{params(draft)}), {len(prompts)} Python prompts, up to {args.max_new_tokens} new tokens "
         f"each, greedy, batch 1, best of {args.repeats} runs, {threads} torch "
-        f"thread{'s' if threads != 1 else ''} (loaded in {load_seconds:.1f}s)",
+        f"thread{'s' if threads != 1 else ''}, on {_device_name(device)} "
+        f"(loaded in {load_seconds:.1f}s)",
         flush=True,
     )
     # One short run per drafter first, so that no row of the table pays for first-call costs
@@ -679,6 +721,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="runs per prompt and drafter; the fastest counts (default 2)",
     )
     p_demo.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
+    p_demo.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models and kernels run: cpu (default), cuda or cuda:N",
+    )
     p_demo.add_argument(
         "--threads",
         type=_positive_int,
