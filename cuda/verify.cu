@@ -11,10 +11,6 @@ namespace {
 using verify::ScanResult;
 
 constexpr int kThreads = 256;
-// Loads a thread issues before it uses the first of them, in the row passes of one block: a
-// block walks whole rows alone, so its bandwidth is the bytes its threads keep in flight. The
-// values are then taken in index order, as one at a time would (results unchanged).
-constexpr int kLoadsInFlight = 8;
 static_assert(verify::kTopPBuckets % 32 == 0 && kThreads >= 32,
               "the histogram's suffix sums take one warp");
 
@@ -79,15 +75,7 @@ class BlockExec {
       const int64_t begin = static_cast<int64_t>(c) * verify::kChunk;
       const int64_t end = begin + verify::kChunk < n ? begin + verify::kChunk : n;
       float m = -verify::kInf;
-      int64_t i = begin;
-      for (; i + kLoadsInFlight <= end; i += kLoadsInFlight) {
-        float v[kLoadsInFlight];
-#pragma unroll
-        for (int u = 0; u < kLoadsInFlight; ++u) v[u] = load(i + u);
-#pragma unroll
-        for (int u = 0; u < kLoadsInFlight; ++u) m = v[u] > m ? v[u] : m;
-      }
-      for (; i < end; ++i) {
+      for (int64_t i = begin; i < end; ++i) {
         const float v = load(i);
         m = v > m ? v : m;
       }
@@ -104,22 +92,14 @@ class BlockExec {
     int64_t arg = INT64_MAX;
     int flag = 0;
     // Each thread sees its indices in increasing order: a strict > keeps its lowest argmax.
-    const auto see = [&](float v, int64_t i) {
+    for (int64_t i = tid; i < n; i += kThreads) {
+      const float v = load(i);
       flag |= bad(v) ? 1 : 0;
       if (v > best) {
         best = v;
         arg = i;
       }
-    };
-    int64_t i = tid;
-    for (; i + (kLoadsInFlight - 1) * kThreads < n; i += kLoadsInFlight * kThreads) {
-      float v[kLoadsInFlight];
-#pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u) v[u] = load(i + u * kThreads);
-#pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u) see(v[u], i + u * kThreads);
     }
-    for (; i < n; i += kThreads) see(load(i), i);
     __syncthreads();
     sh_->red_value[tid] = best;
     sh_->red_index[tid] = arg;
