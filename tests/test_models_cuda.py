@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import requires_cuda
@@ -39,3 +41,33 @@ def test_cuda_matches_cpu(dtype, tol):
         assert cache.lengths.tolist() == [45, 43, 42]
     for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+
+
+def synchronising_calls(fn, *args) -> int:
+    """How many operations in fn(*args) made the host wait for the GPU (torch's sync debug
+    mode)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_cuda_forward_waits_for_the_device_independently_of_the_layer_count():
+    """A decoding step's forward pass waits for the GPU a fixed number of times (its input
+    checks), not once per layer: attention reads no per-layer status on the host."""
+    counts = []
+    for layers in (1, 4):
+        model = Transformer(ModelConfig(**{**BASE, "num_hidden_layers": layers})).to("cuda")
+        cache = model.new_cache(2, 64)
+        prompt = torch.randint(0, BASE["vocab_size"], (2, 12), device="cuda")
+        model.forward(prompt, torch.arange(12, device="cuda").expand(2, 12), cache)
+        info = ops.tree_info(torch.tensor([[-1, 0, 0, 1]] * 2, dtype=torch.int32, device="cuda"))
+        ids = torch.randint(0, BASE["vocab_size"], (2, 4), device="cuda")
+        pos = (12 + info.depth.long()).to("cuda")
+        counts.append(synchronising_calls(model.forward, ids, pos, cache, info.mask))
+    assert counts[0] == counts[1], counts

@@ -224,16 +224,46 @@ def test_unsupported_head_dim_falls_back_to_torch(monkeypatch):
 
 
 def _count_kernel_calls(monkeypatch) -> list:
-    """Wraps ops.tree_attention (as the model looks it up) to record the head dim of each call."""
+    """Wraps the model's tree-attention kernel call (transformer.tree_attention_in_cache, as the
+    model looks it up) to record the head dim of each call."""
+    from specdecode.models import transformer
+
     calls = []
-    real = ops.tree_attention
+    real = transformer.tree_attention_in_cache
 
     def counted(q, *args, **kwargs):
         calls.append(q.shape[-1])
         return real(q, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "tree_attention", counted)
+    monkeypatch.setattr(transformer, "tree_attention_in_cache", counted)
     return calls
+
+
+def test_the_model_reads_no_kernel_status_per_layer(monkeypatch):
+    """The cache checks every row's room on the host before a pass, so the model's attention
+    calls skip the read of the kernel's status (on a GPU, one wait for the device per layer);
+    the public op still reads it."""
+    from specdecode._ops import attention
+
+    reads = []
+    real = attention._raise_bad_prefix
+
+    def counted(*args):
+        reads.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(attention, "_raise_bad_prefix", counted)
+    calls = _count_kernel_calls(monkeypatch)
+    model, _ = make_models("llama", attention="ops")
+    cache = model.new_cache(2, 48)
+    prefill(model, cache, [_tokens(9, seed=80), _tokens(4, seed=81)])
+    info = ops.tree_info(torch.tensor([TREE, TREE], dtype=torch.int32))
+    ids = torch.tensor([_tokens(7, seed=82), _tokens(7, seed=83)])
+    model.forward(ids, cache.lengths.long().unsqueeze(1) + info.depth.long(), cache, info.mask)
+    assert len(calls) == 2 * model.config.num_hidden_layers and reads == []
+    q = torch.randn(2, 7, model.config.num_attention_heads, model.config.head_dim)
+    ops.tree_attention(q, cache.k[0], cache.v[0], cache.lengths, info.mask)
+    assert reads == [1]
 
 
 def test_head_dim_32_uses_the_kernel_and_matches_transformers(monkeypatch):

@@ -588,6 +588,18 @@ def test_cuda_matches_cpu_and_reference(dtype, d, t, prefix):
         assert (gpu_lse.cpu() - cpu_lse)[fin].abs().max().item() < 1e-3
 
 
+def test_in_cache_variant_equals_the_op():
+    """tree_attention_in_cache (the model's call: no read of the kernel's status) gives the
+    public op's output."""
+    from specdecode._ops.attention import tree_attention_in_cache
+
+    q, k, v, lens, gen = make_case(2, 6, 8, 2, 64, [30, 9], torch.bfloat16, strided=True, seed=5)
+    mask = ops.tree_info(random_parents(2, 6, gen)).mask
+    scale = 0.1
+    want = ops.tree_attention(q, k, v, lens, mask, scale=scale)
+    assert torch.equal(tree_attention_in_cache(q, k, v, lens, mask, scale), want)
+
+
 def cuda_view(x: torch.Tensor) -> torch.Tensor:
     """The same view (shape, strides, offset) of a copy of x's buffer on the GPU."""
     base = x._base if x._base is not None else x

@@ -70,6 +70,7 @@ def _tree_attention_impl(
     tree_mask: Optional[torch.Tensor],
     scale: float,
     with_lse: bool,
+    check_prefix: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     if q.dim() != 4:
         raise ValueError(f"q: expected shape [B, T, Hq, D], got {list(q.shape)}")
@@ -97,15 +98,49 @@ def _tree_attention_impl(
         part_lse,
         stream_of(device),
     )
+    if check_prefix:
+        _raise_bad_prefix(status, prefix_lens, t, k_cache.shape[1])
+    return out, lse
+
+
+def _raise_bad_prefix(status: torch.Tensor, prefix_lens: torch.Tensor, t: int, s: int) -> None:
+    """The kernel's per-row status as an error (a read of the status: on CUDA it waits for the
+    kernel)."""
     bad = torch.nonzero(status).flatten()
     if bad.numel():
         b = int(bad[0])
         raise ValueError(
             f"prefix_lens: row {b} has prefix_len {int(prefix_lens[b])}, but 0 <= prefix_len and "
-            f"prefix_len + T ({t}) <= S ({k_cache.shape[1]}) are required"
+            f"prefix_len + T ({t}) <= S ({s}) are required"
             + (f" ({bad.numel() - 1} more invalid rows)" if bad.numel() > 1 else "")
         )
-    return out, lse
+
+
+def tree_attention_in_cache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """:func:`tree_attention` (``[B, T, Hq, D]`` out) for a caller whose ``prefix_lens`` are
+    valid by construction, such as a model's KV cache, which checks ``prefix_len + T <= S`` on
+    its host copy of the lengths before it appends the tree's K/V.
+
+    The kernel and its argument checks are the same; only the read of the kernel's per-row
+    status is left out. That read waits for the device on CUDA: once per layer and step in a
+    model, it would keep the host from queueing the next layer's work while the GPU runs. A row
+    that breaks the invariant gets an unspecified output instead of an error. Under
+    ``torch.compile`` the checked op is traced instead.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.specdecode.tree_attention(
+            q, k_cache, v_cache, prefix_lens, tree_mask, scale
+        )[0]
+    return _tree_attention_impl(
+        q, k_cache, v_cache, prefix_lens, tree_mask, scale, False, check_prefix=False
+    )[0]
 
 
 def tree_attention(

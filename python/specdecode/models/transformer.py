@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from .._ops.attention import tree_attention_in_cache
 from ._checks import (
     check_hidden_indices,
     check_num_nodes,
@@ -719,8 +720,9 @@ class Transformer(nn.Module):
                 k_cache[rows, kv_slots] = k.to(k_cache.dtype)
                 v_cache[rows, kv_slots] = v.to(v_cache.dtype)
             if use_kernel:
-                out = ops.tree_attention(
-                    q.contiguous(), k_cache, v_cache, prefix, tree_mask, scale=scale
+                # cache._begin checked every row's room on the host: no status read per layer.
+                out = tree_attention_in_cache(
+                    q.contiguous(), k_cache, v_cache, prefix, tree_mask, scale
                 )
             else:
                 keys, values = k_cache[:, :s], v_cache[:, :s]
