@@ -135,14 +135,31 @@ def test_demo_prints_code_table_and_identical():
     assert "tokens" in res.stderr  # the progress bar
 
 
-def test_demo_device_errors(capsys):
-    code, _, err = run_main(["demo", "--device", "mps"], capsys)
+@pytest.mark.parametrize("command", [["demo"], ["generate", "x"]])
+def test_device_errors(command, capsys):
+    code, _, err = run_main([*command, "--device", "mps"], capsys)
     assert "--device: expected cpu, cuda or cuda:N" in _one_clean_line(code, err)
-    code, _, err = run_main(["demo", "--device", "not a device"], capsys)
+    code, _, err = run_main([*command, "--device", "not a device"], capsys)
     assert "is not a device" in _one_clean_line(code, err)
     if not torch.cuda.is_available():
-        code, _, err = run_main(["demo", "--device", "cuda"], capsys)
+        code, _, err = run_main([*command, "--device", "cuda"], capsys)
         assert "torch sees no CUDA device" in _one_clean_line(code, err)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@requires_pycode
+@pytest.mark.parametrize("drafter", ["model", "combined"])
+def test_generate_on_a_gpu(tiny_dir, drafter, capsys):
+    """A local model directory, and its own copy as the draft, on the GPU: greedy text equal to
+    the target's own decoding there."""
+    base = ["generate", PROMPT, "--model", str(tiny_dir), "--max-new-tokens", "8", "--no-echo"]
+    base += ["--device", "cuda"]
+    code, want, err = run_main(base + ["--drafter", "none"], capsys)
+    assert code == 0, err
+    code, got, err = run_main(base + ["--drafter", drafter, "--draft-model", str(tiny_dir)], capsys)
+    assert code == 0, err
+    assert got == want and "on cuda" in err
 
 
 @pytest.mark.cuda
@@ -276,6 +293,8 @@ def test_generate_local_directory_with_draft_model(tiny_dir, capsys):
     assert code == 0, err
     assert got == want
     assert "(8 tokens/step" not in err and "2 steps" in err
+    code, got, err = run_main(base + ["--drafter", "none", "--device", "cpu"], capsys)
+    assert code == 0 and got == want and "on cpu" in err
 
 
 @requires_pycode

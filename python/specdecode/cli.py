@@ -291,6 +291,7 @@ def make_drafter(kind: str, loaded: LoadedModel, draft_dir: Optional[str], k: in
     draft = loaded.draft
     if draft_dir is not None:
         draft = _load_dir(_check_model_dir(draft_dir, "--draft-model"), "--draft-model")
+        draft = _move(draft, loaded.target.device)
     if draft is None:
         raise CLIError(
             f"--drafter {kind}: needs --draft-model DIR (a small model with the target's "
@@ -372,7 +373,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"--drafter: unknown drafter {args.drafter!r}")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
+    device = _device_option(args.device)
     loaded = load_model(args.model)
+    loaded.target = _move(loaded.target, device)
+    loaded.draft = _move(loaded.draft, device)
     try:
         ids = loaded.codec.encode(prompt)
     except (TypeError, ValueError) as exc:
@@ -419,7 +423,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         f"[{args.drafter}] finish: {out.finish_reasons[0]}; prompt {len(ids)} tokens; "
         f"accept rate by draft position: {accepted}; temperature {args.temperature}, "
         f"top-k {args.top_k}, top-p {args.top_p}, seed {seed}, {threads} torch "
-        f"thread{'s' if threads != 1 else ''}\n"
+        f"thread{'s' if threads != 1 else ''}, on {_device_name(device)}\n"
     )
     return 0
 
@@ -520,7 +524,7 @@ def format_table(rows: Sequence[DemoRow], baseline: DemoRow) -> str:
     return "\n".join(lines)
 
 
-def _demo_device(spec: str) -> Any:
+def _device_option(spec: str) -> Any:
     """``--device``: a torch device the models and the kernels can run on.
 
     Raises
@@ -552,6 +556,19 @@ def _demo_device(spec: str) -> Any:
     return device
 
 
+def _move(model: Any, device: Any) -> Any:
+    """The model on ``device``: our ``Transformer`` is a module; ``HFCausalLM`` moves the
+    transformers module it wraps (in place) and follows it."""
+    import torch
+
+    if model is None:
+        return None
+    if isinstance(model, torch.nn.Module):
+        return model.to(device)
+    model.model.to(device)
+    return model
+
+
 def _device_name(device: Any) -> str:
     import torch
 
@@ -568,7 +585,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     names = _zoo_names()
     if args.model not in names:
         raise CLIError(f"--model: unknown zoo model {args.model!r} (known: {', '.join(names)})")
-    device = _demo_device(args.device)
+    device = _device_option(args.device)
     t_load = time.perf_counter()
     loaded = load_model(args.model)
     load_seconds = time.perf_counter() - t_load
@@ -769,6 +786,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = off (default)")
     p_gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default random)")
     p_gen.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
+    p_gen.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models and kernels run: cpu (default), cuda or cuda:N",
+    )
     p_gen.add_argument(
         "--echo",
         action=argparse.BooleanOptionalAction,
