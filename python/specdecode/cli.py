@@ -556,6 +556,14 @@ def _device_option(spec: str) -> Any:
     return device
 
 
+def _add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models and kernels run: cpu (default), cuda or cuda:N",
+    )
+
+
 def _move(model: Any, device: Any) -> Any:
     """The model on ``device``: our ``Transformer`` is a module; ``HFCausalLM`` moves the
     transformers module it wraps (in place) and follows it."""
@@ -589,7 +597,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     loaded = load_model(args.model)
     load_seconds = time.perf_counter() - t_load
-    target, draft, codec = loaded.target.to(device), loaded.draft.to(device), loaded.codec
+    target, draft, codec = _move(loaded.target, device), _move(loaded.draft, device), loaded.codec
     texts = list(DEMO_PROMPTS[: args.prompts])
     prompts = [codec.encode(t) for t in texts]
     longest = max(len(p) for p in prompts)
@@ -738,11 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="runs per prompt and drafter; the fastest counts (default 2)",
     )
     p_demo.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
-    p_demo.add_argument(
-        "--device",
-        default="cpu",
-        help="where the models and kernels run: cpu (default), cuda or cuda:N",
-    )
+    _add_device_argument(p_demo)
     p_demo.add_argument(
         "--threads",
         type=_positive_int,
@@ -786,11 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = off (default)")
     p_gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default random)")
     p_gen.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
-    p_gen.add_argument(
-        "--device",
-        default="cpu",
-        help="where the models and kernels run: cpu (default), cuda or cuda:N",
-    )
+    _add_device_argument(p_gen)
     p_gen.add_argument(
         "--echo",
         action=argparse.BooleanOptionalAction,
