@@ -23,8 +23,8 @@
 # Budget (SD_GPU_BUDGET, seconds; default 560 of the tool's 600-second limit per command) is
 # shared out in that order. Set SD_GPU_PHASES (e.g. "tests bench") to skip a phase that an
 # earlier call finished on the same warm machine, SD_GPU_BUILD_DIR for the build folder (default
-# /tmp/sd_build), SD_GPU_FULL=1 for the full tables of bench_verify and bench_attention instead of --quick.
-# $OUT/summary.txt gets one line per phase: its exit status and seconds.
+# /tmp/sd_build), SD_GPU_FULL=1 for the full tables of bench_verify and bench_attention instead
+# of --quick. $OUT/summary.txt gets one line per phase: its exit status and seconds.
 #
 # The build phase leaves the compiled module in $OUT/_C.so.gz. A later call on a fresh machine
 # whose change is Python only can skip the build: copy that file to .gpu/ (ignored by git), carry
