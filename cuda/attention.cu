@@ -9,12 +9,18 @@
 // The last split also runs the masked tree part. Prefix and tree keep separate online-softmax
 // states, merged with the log-sum-exp rule of specdecode/attention.h (the same functions the CPU
 // runs). Kernel 2 (merge) folds the splits' partials in split order.
+//
+// For fp16 / bf16 caches on 16-byte boundaries on sm_80 and newer, kernel 1 is attend_mma_kernel
+// instead: the same split of the work, with both products (Q K^T and P V) on the tensor cores
+// (mma.sync m16n8k16, float accumulators) and the K/V tiles fetched asynchronously (cp.async) into
+// two shared-memory stages, so the next tile is in flight while the current one is used.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #include "attention.cuh"
 #include "launch.cuh"
+#include "mma.cuh"
 #include "specdecode/attention.h"
 #include "specdecode/host_device.h"
 
@@ -86,6 +92,7 @@ struct Params {
   AttentionArgs a;
   int splits;
   int row_tiles;
+  int row_groups;  // attend_mma_kernel: 16-row groups of query rows per block (1, 2 or 4)
   int words;
   bool vec_kv;  // K and V rows start on 16-byte boundaries: tiles move in 16-byte chunks
   float* part_o;
@@ -225,8 +232,11 @@ __device__ __forceinline__ void attend_range(const Params& p, const typename Ele
   }
 }
 
-template <int D, AttnDType DT>
-__global__ void __launch_bounds__(kWarps* kWarp) attend_kernel(Params p) {
+// kMinBlocks: blocks per SM the registers must allow (launch bounds). 1 leaves the compiler free
+// (decoding: few rows per block, memory-bound, and the 16-byte tile loads want registers); 2
+// caps them at 128 per thread, for blocks of many rows, whose compute wants two blocks per SM.
+template <int D, AttnDType DT, int kMinBlocks>
+__global__ void __launch_bounds__(kWarps* kWarp, kMinBlocks) attend_kernel(Params p) {
   using T = typename Elem<DT>::T;
   constexpr int kNV = (D + kWarp - 1) / kWarp;
   SD_DYNAMIC_SHARED(float, smem);
@@ -320,6 +330,344 @@ __global__ void __launch_bounds__(kWarps* kWarp) attend_kernel(Params p) {
   }
 }
 
+// ---- tensor-core path (fp16 / bf16, sm_80+) ---------------------------------------------------
+//
+// A block has kMmaWarps warps and owns up to kMmaWarps groups of 16 query rows of one KV head
+// (p.row_groups of them; the block's rows are row_groups * 16). Warp w serves row group
+// w % row_groups and, of every tile of keys, the 16-key chunks c with c % parts == w / row_groups
+// (parts = kMmaWarps / row_groups): a decoding step's few rows keep all four warps busy on
+// different keys. Each warp keeps one online-softmax state per row across its keys; prefix keys
+// are all visible, keys at prefix + j are tree node j and follow the mask (one running state over
+// both ranges is the same log-sum-exp merge, applied key by key). At the end the parts of a row
+// group merge through shared memory with lse_merge_weights, in part order.
+//
+// Per 16-key chunk a warp computes S = Q K^T (16 x 16, D / 16 k-steps of two m16n8k16 products),
+// scales and masks it in the accumulator layout, and multiplies P (rounded to the input type) by
+// V (D / 8 products). The accumulator layout of S's two 8-key halves is exactly the A-fragment
+// layout of P (see mma.cuh), so P never leaves the registers.
+
+constexpr int kMmaWarps = 4;
+constexpr int kMmaRows = 16;  // rows of one m16n8k16 product: one row group
+constexpr int kMmaKeys = 16;  // keys of one chunk (the k of the P V product)
+
+// Keys per shared-memory tile: two stages of K and V tiles fit the 99 KiB an sm_86 / sm_89 block
+// may use, for every head dim.
+template <int D>
+constexpr int mma_tile_keys() {
+  return D > 128 ? 32 : 64;
+}
+// 16-bit elements between two rows of a shared tile: 16 bytes of padding put the eight rows a
+// fragment load touches on different banks.
+template <int D>
+constexpr int mma_pitch() {
+  return D + 8;
+}
+template <int D>
+constexpr int mma_stage_elems() {
+  return 2 * mma_tile_keys<D>() * mma_pitch<D>();  // K tile, then V tile
+}
+// The parts' finished partials, written over the stages once the keys are done.
+template <int D>
+constexpr int mma_merge_bytes() {
+  return kMmaWarps * kMmaRows * (D + 1) * static_cast<int>(sizeof(float));
+}
+template <int D>
+size_t mma_smem_bytes(int row_groups) {
+  static_assert(mma_merge_bytes<D>() <= 2 * mma_stage_elems<D>() * 2, "merge area fits the stages");
+  return (2 * static_cast<size_t>(mma_stage_elems<D>()) +
+          static_cast<size_t>(row_groups) * kMmaRows * mma_pitch<D>()) *
+         sizeof(uint16_t);
+}
+
+// Starts the copies of keys [j0, j0 + n) of K and V into one stage; rows n .. kKeys - 1 are
+// zeroed (their scores are masked, and a zero value keeps 0 * V finite in the P V product).
+template <int D>
+__device__ __forceinline__ void mma_load_tile(const uint16_t* k, const uint16_t* v, int64_t rs,
+                                              int64_t j0, int n, uint16_t* stage) {
+  constexpr int kKeys = mma_tile_keys<D>(), kPitch = mma_pitch<D>();
+  constexpr int kChunksPerRow = D / 8;
+  uint16_t* ks = stage;
+  uint16_t* vs = stage + kKeys * kPitch;
+  for (int e = threadIdx.x; e < kKeys * kChunksPerRow; e += kMmaWarps * kWarp) {
+    const int j = e / kChunksPerRow, d0 = e % kChunksPerRow * 8;
+    uint16_t* kd = ks + j * kPitch + d0;
+    uint16_t* vd = vs + j * kPitch + d0;
+    if (j < n) {
+      cp_async_16(kd, k + (j0 + j) * rs + d0);
+      cp_async_16(vd, v + (j0 + j) * rs + d0);
+    } else {
+      *reinterpret_cast<uint4*>(kd) = uint4{0u, 0u, 0u, 0u};
+      *reinterpret_cast<uint4*>(vd) = uint4{0u, 0u, 0u, 0u};
+    }
+  }
+}
+
+// What a lane knows of its two query rows (g and g + 8 of its warp's row group).
+struct MmaRows {
+  bool valid[2];
+  int node[2];              // tree node of the row's query
+  const uint32_t* mask[2];  // its mask row (null: causal chain)
+};
+
+// One 16-key chunk (keys kc .. kc + 15 of the tile that starts at key j0) for one warp's 16 rows:
+// S = Q K^T, masking, the online-softmax update of st, and o += P V.
+template <int D, AttnDType DT>
+__device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks,
+                                          const uint16_t* vs, int kc, int64_t j0, int n,
+                                          int64_t prefix, float mult, const MmaRows& rows,
+                                          SoftmaxState st[2], float (*o)[4]) {
+  constexpr bool kBF16 = DT == AttnDType::kBFloat16;
+  constexpr int kPitch = mma_pitch<D>();
+  const int lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+
+  float s[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[h][i] = 0.0f;
+  }
+#pragma unroll
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    const uint16_t* q0 = qs + g * kPitch + d0 + 2 * t;
+    const uint32_t a[4] = {load_word(q0), load_word(q0 + 8 * kPitch), load_word(q0 + 8),
+                           load_word(q0 + 8 * kPitch + 8)};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t* k0 = ks + (kc + 8 * h + g) * kPitch + d0 + 2 * t;
+      const uint32_t b[2] = {load_word(k0), load_word(k0 + 8)};
+      mma_m16n8k16<kBF16>(s[h], a, b);
+    }
+  }
+
+  // s[h][i] is the score of row g + 8 (i / 2) and key kc + 8 h + 2 t + i % 2.
+  float p[2][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int key = kc + 8 * h + 2 * t + c;
+        const int64_t pos = j0 + key;
+        bool visible = rows.valid[r] && key < n;
+        if (visible && pos >= prefix) {
+          visible = tree_key_visible(rows.mask[r], rows.node[r], static_cast<int>(pos - prefix));
+        }
+        const float x = visible ? s[h][2 * r + c] * mult : -INFINITY;
+        s[h][2 * r + c] = x;
+        mx = fmaxf(mx, x);
+      }
+    }
+    // The row's 16 scores are spread over the four lanes of its group.
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float alpha = softmax_rescale(&st[r], mx);  // st.l is this lane's share of the sum
+    const float ref = softmax_reference(st[r].m);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        p[h][2 * r + c] = exp2f(s[h][2 * r + c] - ref);  // 0 for a masked key
+        st[r].l += p[h][2 * r + c];
+      }
+    }
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) {
+      o[nd][2 * r] *= alpha;
+      o[nd][2 * r + 1] *= alpha;
+    }
+  }
+
+  // P as the A fragment of a 16 x 16 (rows x keys) product.
+  const uint32_t pa[4] = {pack_halves(Elem<DT>::store(p[0][0]), Elem<DT>::store(p[0][1])),
+                          pack_halves(Elem<DT>::store(p[0][2]), Elem<DT>::store(p[0][3])),
+                          pack_halves(Elem<DT>::store(p[1][0]), Elem<DT>::store(p[1][1])),
+                          pack_halves(Elem<DT>::store(p[1][2]), Elem<DT>::store(p[1][3]))};
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd) {
+    const uint16_t* v0 = vs + (kc + 2 * t) * kPitch + nd * 8 + g;
+    const uint32_t b[2] = {pack_halves(v0[0], v0[kPitch]),
+                           pack_halves(v0[8 * kPitch], v0[9 * kPitch])};
+    mma_m16n8k16<kBF16>(o[nd], pa, b);
+  }
+}
+
+// Writes one finished row: the output (or the split's partial) and its lse (log2 domain in).
+template <int D, AttnDType DT>
+__device__ __forceinline__ void mma_store_row(const Params& p, int64_t row, int split, int d,
+                                              float o0, float o1, bool with_lse, float lse) {
+  using T = typename Elem<DT>::T;
+  const AttentionArgs& a = p.a;
+  if (p.splits == 1) {
+    T* out = static_cast<T*>(a.out) + row * D + d;
+    out[0] = Elem<DT>::store(o0);
+    out[1] = Elem<DT>::store(o1);
+    if (a.lse && with_lse) a.lse[row] = lse * kLn2;
+  } else {
+    const int64_t prow = static_cast<int64_t>(split) * a.batch * a.tree_len * a.q_heads + row;
+    float* po = p.part_o + prow * D + d;
+    po[0] = o0;
+    po[1] = o1;
+    if (with_lse) p.part_lse[prow] = lse;
+  }
+}
+
+template <int D, AttnDType DT>
+__global__ void __launch_bounds__(kMmaWarps* kWarp) attend_mma_kernel(Params p) {
+  constexpr int kKeys = mma_tile_keys<D>(), kPitch = mma_pitch<D>();
+  constexpr int kChunks = kKeys / kMmaKeys, kNT = D / 8;
+  SD_DYNAMIC_SHARED(uint4, smem16);
+  uint16_t* stages = reinterpret_cast<uint16_t*>(smem16);
+  uint16_t* qs = stages + 2 * mma_stage_elems<D>();
+
+  const AttentionArgs& a = p.a;
+  const int64_t b = blockIdx.z, kvh = blockIdx.y;
+  const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
+  const int groups = p.row_groups, parts = kMmaWarps / groups;
+  const int64_t gq = a.q_heads / a.kv_heads, rows = a.tree_len * gq;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int group = warp % groups, part = warp / groups;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t block_row0 = static_cast<int64_t>(tile) * groups * kMmaRows;
+
+  const int64_t prefix = a.prefix_lens[b];
+  const bool ok = prefix >= 0 && prefix + a.tree_len <= a.cache_len;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) a.status[b] = ok ? 0 : 1;
+
+  // The block's query rows, as they are (the scale is applied to the float scores).
+  const uint16_t* q = static_cast<const uint16_t*>(a.q);
+  for (int e = threadIdx.x; e < groups * kMmaRows * D; e += blockDim.x) {
+    const int r = e / D, d = e % D;
+    const int64_t rr = block_row0 + r;
+    uint16_t x = 0;
+    if (rr < rows) {
+      const int64_t tq = rr / gq, h = kvh * gq + rr % gq;
+      x = q[b * a.q_strides[0] + tq * a.q_strides[1] + h * a.q_strides[2] + d];
+    }
+    qs[r * kPitch + d] = x;
+  }
+  MmaRows mine;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t rr = block_row0 + group * kMmaRows + g + 8 * r;
+    mine.valid[r] = ok && rr < rows;
+    mine.node[r] = mine.valid[r] ? static_cast<int>(rr / gq) : 0;
+    mine.mask[r] = a.mask && mine.valid[r]
+                       ? a.mask + (b * a.tree_len + mine.node[r]) * mask_words(a.tree_len)
+                       : nullptr;
+  }
+
+  // This split's keys: its range of the prefix, and for the last split the tree after it.
+  const int64_t chunk = ok ? ((prefix + p.splits - 1) / p.splits + kTile - 1) / kTile * kTile : 0;
+  const int64_t kb = min64(prefix, split * chunk);
+  const int64_t ke = split == p.splits - 1 ? prefix + a.tree_len : min64(prefix, kb + chunk);
+  const int64_t begin = ok ? kb : 0, end = ok ? ke : 0;
+  const int64_t rs = a.kv_strides[1];
+  const uint16_t* kbase =
+      static_cast<const uint16_t*>(a.k) + b * a.kv_strides[0] + kvh * a.kv_strides[2];
+  const uint16_t* vbase =
+      static_cast<const uint16_t*>(a.v) + b * a.kv_strides[0] + kvh * a.kv_strides[2];
+  const float mult = a.scale * kLog2e;
+
+  SoftmaxState st[2] = {softmax_init(), softmax_init()};
+  float o[kNT][4];
+#pragma unroll
+  for (int nd = 0; nd < kNT; ++nd) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[nd][i] = 0.0f;
+  }
+
+  const int64_t tiles = (end - begin + kKeys - 1) / kKeys;
+  if (tiles > 0) {
+    mma_load_tile<D>(kbase, vbase, rs, begin, static_cast<int>(min64(kKeys, end - begin)), stages);
+    cp_async_commit();
+  }
+  for (int64_t it = 0; it < tiles; ++it) {
+    const int64_t j0 = begin + it * kKeys;
+    if (it + 1 < tiles) {
+      // The other stage was last read in iteration it - 1, which ended at a barrier.
+      const int64_t j1 = j0 + kKeys;
+      mma_load_tile<D>(kbase, vbase, rs, j1, static_cast<int>(min64(kKeys, end - j1)),
+                       stages + ((it + 1) % 2) * mma_stage_elems<D>());
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // every thread's copies of tile it have landed
+    const uint16_t* ks = stages + (it % 2) * mma_stage_elems<D>();
+    const uint16_t* vs = ks + kKeys * kPitch;
+    const int n = static_cast<int>(min64(kKeys, end - j0));
+    for (int c = part; c < kChunks && c * kMmaKeys < n; c += parts) {  // uniform in the warp
+      mma_chunk<D, DT>(qs + group * kMmaRows * kPitch, ks, vs, c * kMmaKeys, j0, n, prefix, mult,
+                       mine, st, o);
+    }
+    __syncthreads();  // tile it is no longer read: its stage may be refilled
+  }
+
+  // Finish: each lane held a share of its rows' sums.
+  float lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    st[r].l += __shfl_xor_sync(0xffffffffu, st[r].l, 1);
+    st[r].l += __shfl_xor_sync(0xffffffffu, st[r].l, 2);
+    float inv;
+    lse[r] = softmax_finish(st[r], &inv);
+#pragma unroll
+    for (int nd = 0; nd < kNT; ++nd) {
+      o[nd][2 * r] *= inv;
+      o[nd][2 * r + 1] *= inv;
+    }
+  }
+  const auto out_row = [&](int64_t rr) {
+    const int64_t tq = rr / gq, h = kvh * gq + rr % gq;
+    return (b * a.tree_len + tq) * a.q_heads + h;
+  };
+  if (parts == 1) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t rr = block_row0 + group * kMmaRows + g + 8 * r;
+      if (rr >= rows) continue;
+#pragma unroll
+      for (int nd = 0; nd < kNT; ++nd) {
+        mma_store_row<D, DT>(p, out_row(rr), split, nd * 8 + 2 * t, o[nd][2 * r], o[nd][2 * r + 1],
+                             nd == 0 && t == 0, lse[r]);
+      }
+    }
+    return;
+  }
+  // Several parts per row group: their partials meet in shared memory (over the stages; the
+  // loop's last barrier has passed, so no thread still reads them). Row r of warp w: D floats
+  // of o, then its lse.
+  float* merge = reinterpret_cast<float*>(smem16);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float* row = merge + (warp * kMmaRows + g + 8 * r) * (D + 1);
+#pragma unroll
+    for (int nd = 0; nd < kNT; ++nd) {
+      row[nd * 8 + 2 * t] = o[nd][2 * r];
+      row[nd * 8 + 2 * t + 1] = o[nd][2 * r + 1];
+    }
+    if (t == 0) row[D] = lse[r];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < groups * kMmaRows * (D / 2); e += blockDim.x) {
+    const int gi = e / (kMmaRows * (D / 2)), r = e / (D / 2) % kMmaRows, d = e % (D / 2) * 2;
+    const int64_t rr = block_row0 + gi * kMmaRows + r;
+    if (rr >= rows) continue;
+    float acc0 = 0.0f, acc1 = 0.0f, lse_all = -INFINITY;
+    for (int k = 0; k < parts; ++k) {
+      const float* row = merge + ((k * groups + gi) * kMmaRows + r) * (D + 1);
+      float wa, wb;
+      lse_all = lse_merge_weights(lse_all, row[D], &wa, &wb);
+      acc0 = wa * acc0 + (wb != 0.0f ? wb * row[d] : 0.0f);
+      acc1 = wa * acc1 + (wb != 0.0f ? wb * row[d + 1] : 0.0f);
+    }
+    mma_store_row<D, DT>(p, out_row(rr), split, d, acc0, acc1, d == 0, lse_all);
+  }
+}
+
 // One warp per (b, t, h) row: folds the splits in order with the log-sum-exp rule.
 template <int D, AttnDType DT>
 __global__ void merge_kernel(Params p) {
@@ -355,42 +703,93 @@ __global__ void merge_kernel(Params p) {
 }
 
 template <int D, AttnDType DT>
-cudaError_t launch(const Params& p, cudaStream_t stream) {
-  const AttentionArgs& a = p.a;
-  const size_t smem = smem_floats<D>() * sizeof(float);
-  cudaError_t err = cudaFuncSetAttribute(
-      attend_kernel<D, DT>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(p.row_tiles * p.splits), static_cast<unsigned>(a.kv_heads),
-                  static_cast<unsigned>(a.batch));
-  SD_LAUNCH(grid, kWarps * kWarp, smem, stream, attend_kernel<D, DT>)(p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess || p.splits == 1) return err;
+cudaError_t launch_merge(const Params& p, cudaStream_t stream) {
+  if (p.splits == 1) return cudaSuccess;
   constexpr int kMergeWarps = 4;
+  const AttentionArgs& a = p.a;
   const int64_t nrows = a.batch * a.tree_len * a.q_heads;
   const unsigned blocks = static_cast<unsigned>((nrows + kMergeWarps - 1) / kMergeWarps);
   SD_LAUNCH(blocks, kMergeWarps * kWarp, 0, stream, merge_kernel<D, DT>)(p);
   return cudaGetLastError();
 }
 
+template <int D, AttnDType DT, int kMinBlocks>
+cudaError_t launch_cuda_cores(const Params& p, cudaStream_t stream) {
+  const AttentionArgs& a = p.a;
+  const size_t smem = smem_floats<D>() * sizeof(float);
+  cudaError_t err =
+      cudaFuncSetAttribute(attend_kernel<D, DT, kMinBlocks>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(p.row_tiles * p.splits), static_cast<unsigned>(a.kv_heads),
+                  static_cast<unsigned>(a.batch));
+  SD_LAUNCH(grid, kWarps * kWarp, smem, stream, attend_kernel<D, DT, kMinBlocks>)(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_merge<D, DT>(p, stream);
+}
+
+template <int D, AttnDType DT>
+cudaError_t launch_tensor_cores(Params p, cudaStream_t stream) {
+  const AttentionArgs& a = p.a;
+  const int64_t rows = a.tree_len * (a.q_heads / a.kv_heads);
+  p.row_groups = rows <= kMmaRows ? 1 : rows <= 2 * kMmaRows ? 2 : kMmaWarps;
+  const int64_t block_rows = static_cast<int64_t>(p.row_groups) * kMmaRows;
+  p.row_tiles = static_cast<int>((rows + block_rows - 1) / block_rows);
+  const size_t smem = mma_smem_bytes<D>(p.row_groups);
+  cudaError_t err =
+      cudaFuncSetAttribute(attend_mma_kernel<D, DT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(p.row_tiles * p.splits), static_cast<unsigned>(a.kv_heads),
+                  static_cast<unsigned>(a.batch));
+  SD_LAUNCH(grid, kMmaWarps * kWarp, smem, stream, attend_mma_kernel<D, DT>)(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_merge<D, DT>(p, stream);
+}
+
+// The tensor-core kernel takes fp16 / bf16 caches whose rows start on 16-byte boundaries (its
+// copies move 16 bytes) on devices of compute capability 8.0 or more; everything else runs on
+// the CUDA cores, with two blocks per SM where a KV head has more than one block of rows.
+template <int D, AttnDType DT>
+cudaError_t launch(const Params& p, bool tensor_cores, cudaStream_t stream) {
+  if constexpr (DT != AttnDType::kFloat32) {
+    if (tensor_cores && p.vec_kv) return launch_tensor_cores<D, DT>(p, stream);
+  }
+  if (p.row_tiles > 1) return launch_cuda_cores<D, DT, 2>(p, stream);
+  return launch_cuda_cores<D, DT, 1>(p, stream);
+}
+
 template <AttnDType DT>
-cudaError_t launch_dtype(const Params& p, cudaStream_t stream) {
+cudaError_t launch_dtype(const Params& p, bool tensor_cores, cudaStream_t stream) {
   switch (p.a.head_dim) {
     case 32:
-      return launch<32, DT>(p, stream);
+      return launch<32, DT>(p, tensor_cores, stream);
     case 64:
-      return launch<64, DT>(p, stream);
+      return launch<64, DT>(p, tensor_cores, stream);
     case 80:
-      return launch<80, DT>(p, stream);
+      return launch<80, DT>(p, tensor_cores, stream);
     case 96:
-      return launch<96, DT>(p, stream);
+      return launch<96, DT>(p, tensor_cores, stream);
     case 128:
-      return launch<128, DT>(p, stream);
+      return launch<128, DT>(p, tensor_cores, stream);
     case 256:
-      return launch<256, DT>(p, stream);
+      return launch<256, DT>(p, tensor_cores, stream);
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+// Whether the current device runs mma.sync with bf16 / fp16 inputs and cp.async (sm_80+). A
+// query of the runtime's device attributes: no synchronisation.
+bool device_has_tensor_core_mma() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    return false;
+  }
+  return major >= 8;
 }
 
 // ---- compact_kv ------------------------------------------------------------------------------
@@ -457,13 +856,15 @@ cudaError_t tree_attention(const AttentionArgs& args, int splits, float* part_o,
   p.vec_kv = reinterpret_cast<uintptr_t>(args.k) % 16 == 0 &&
              reinterpret_cast<uintptr_t>(args.v) % 16 == 0 && args.kv_strides[0] % per_chunk == 0 &&
              args.kv_strides[1] % per_chunk == 0 && args.kv_strides[2] % per_chunk == 0;
+  p.row_groups = 0;
+  const bool tensor_cores = device_has_tensor_core_mma();
   switch (args.dtype) {
     case AttnDType::kFloat32:
-      return launch_dtype<AttnDType::kFloat32>(p, stream);
+      return launch_dtype<AttnDType::kFloat32>(p, tensor_cores, stream);
     case AttnDType::kFloat16:
-      return launch_dtype<AttnDType::kFloat16>(p, stream);
+      return launch_dtype<AttnDType::kFloat16>(p, tensor_cores, stream);
     case AttnDType::kBFloat16:
-      return launch_dtype<AttnDType::kBFloat16>(p, stream);
+      return launch_dtype<AttnDType::kBFloat16>(p, tensor_cores, stream);
   }
   return cudaErrorInvalidValue;
 }

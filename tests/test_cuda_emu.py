@@ -171,6 +171,7 @@ def test_a_barrier_orders_shared_memory_and_its_absence_shows(schedule):
         ("foreign_mask", "reads lane 20 in a shuffle whose mask does not name it"),
         ("shared_memory", "65536 bytes of dynamic shared memory, but the kernel allows 49152"),
         ("block_size", "invalid launch configuration: grid (1, 1, 1), block (2048, 1, 1)"),
+        ("partial_warp_mma", "at mma.sync names lane 16, which has exited"),
     ],
 )
 def test_broken_rules_fail_the_launch_with_a_message(rule, message):
@@ -203,6 +204,23 @@ def test_a_write_past_dynamic_shared_memory_faults():
     )
     assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stdout, proc.stderr)
     assert "survived" not in proc.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mma_multiplies_the_fragments_of_the_ptx_layout(dtype):
+    """One emulated mma.sync m16n8k16: each lane loads its fragments of a [16, 16] and b [16, 8]
+    by the layout cuda/mma.cuh documents; the product lands where that layout says."""
+    gen = torch.Generator().manual_seed(11)
+    a = torch.randn(16, 16, generator=gen).to(dtype)
+    b = torch.randn(16, 8, generator=gen).to(dtype)
+    d = torch.full((16, 8), float("nan"))
+    emu.reset_stats()
+    assert emu._selftest_mma(a, b, dtype == torch.bfloat16, d) == ""
+    assert emu.stats()["mmas"] == 1
+    want = a.double() @ b.double()
+    assert (d.double() - want).abs().max().item() < 1e-5
+    # Transposed halves or swapped rows would not pass: the product is not symmetric.
+    assert (d.double() - (a.double().T @ b.double())).abs().max().item() > 0.1
 
 
 def test_stats_count_the_work():
@@ -370,6 +388,56 @@ def test_tree_attention_is_independent_of_the_thread_order(schedule):
         out, lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
     assert (out - cpu_out).abs().max().item() <= TOL[torch.float32]
     assert (lse - cpu_lse).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("strided", [True, "odd"])
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (7, 5)])
+def test_tree_attention_takes_the_tensor_cores_where_it_can(dtype, strided, capability):
+    """fp16 / bf16 caches on 16-byte boundaries on sm_80+ run attend_mma_kernel (tensor-core
+    products); fp32, caches off 16-byte boundaries and older devices run the CUDA-core kernel.
+    Every path equals the CPU and the reference."""
+    q, k, v, lens, gen = make_case(2, 9, 8, 2, 64, [150, 40], dtype, strided=strided, seed=6)
+    mask = ops.tree_info(random_attention_parents(2, 9, gen)).mask
+    cpu_out, cpu_lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+    emu.set_compute_capability(*capability)
+    emu.reset_stats()
+    try:
+        with on_emulator(splits=2):
+            out, lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+        mmas = emu.stats()["mmas"]
+    finally:
+        emu.set_compute_capability(9, 0)
+    tensor_cores = dtype != torch.float32 and strided is True and capability >= (8, 0)
+    assert (mmas > 0) == tensor_cores, mmas
+    ref_out, _ = tree_attention_ref(q, k, v, lens, mask)
+    assert (out.double() - ref_out).abs().max().item() <= TOL[dtype]
+    assert (out.float() - cpu_out.float()).abs().max().item() <= TOL[dtype]
+    assert (lse - cpu_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("t,prefix", [(1, 500), (5, 37), (9, 0), (64, 70)])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 8), (16, 2)])
+def test_tree_attention_on_the_tensor_cores_in_every_row_grouping(t, prefix, hq, hkv):
+    """attend_mma_kernel groups 16 query rows per warp and splits each tile's keys among the
+    warps of a group: T = 1 and 5 (4 and 20 rows per KV head at GQA 4) run one or two row
+    groups with their keys on four or two warps, merged in shared memory; T = 64 four groups and
+    four row tiles; an empty prefix leaves only the masked tree. GQA 1, 4 and 8; one split and
+    three."""
+    for splits in (1, 3):
+        q, k, v, lens, gen = make_case(2, t, hq, hkv, 128, [prefix, prefix // 2], torch.float16)
+        mask = ops.tree_info(random_attention_parents(2, t, gen)).mask
+        cpu_out, cpu_lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+        emu.reset_stats()
+        with on_emulator(splits=splits):
+            out, lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+        assert emu.stats()["mmas"] > 0
+        ref_out, _ = tree_attention_ref(q, k, v, lens, mask)
+        assert (out.double() - ref_out).abs().max().item() <= TOL[torch.float16]
+        assert (out.float() - cpu_out.float()).abs().max().item() <= TOL[torch.float16]
+        fin = torch.isfinite(cpu_lse)
+        assert torch.equal(torch.isfinite(lse), fin)
+        assert (lse - cpu_lse)[fin].abs().max().item() < 1e-3
 
 
 def test_tree_attention_rejects_a_bad_prefix():

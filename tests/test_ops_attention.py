@@ -565,9 +565,11 @@ def test_library_ops_registered():
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [32, 64, 80, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("t,prefix", [(1, 0), (1, 4000), (7, 300), (64, 2000), (256, 33)])
 def test_cuda_matches_cpu_and_reference(dtype, d, t, prefix):
+    """Contiguous caches on the GPU: fp16 / bf16 run the tensor-core kernel on sm_80+, fp32 the
+    CUDA-core one."""
     q, k, v, lens, gen = make_case(2, t, 8, 2, d, [prefix, prefix // 2], dtype, strided=True)
     mask = ops.tree_info(random_parents(2, t, gen)).mask
     for m in (mask, None):
@@ -586,6 +588,29 @@ def test_cuda_matches_cpu_and_reference(dtype, d, t, prefix):
         fin = torch.isfinite(cpu_lse)
         assert torch.equal(torch.isfinite(gpu_lse.cpu()), fin)
         assert (gpu_lse.cpu() - cpu_lse)[fin].abs().max().item() < 1e-3
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernel_choice(dtype):
+    """On sm_80+ fp16 / bf16 caches run attend_mma_kernel (tensor cores), fp32 attend_kernel;
+    the kernels' names as the profiler records them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, lens, _ = make_case(2, 4, 8, 2, 128, [300, 100], dtype)
+    q, k, v, lens = q.cuda(), k.cuda(), v.cuda(), lens.cuda()
+    ops.tree_attention(q, k, v, lens)  # loads the module's kernels outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ops.tree_attention(q, k, v, lens)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernel (no CUPTI, e.g. under compute-sanitizer)")
+    mma = dtype != torch.float32 and torch.cuda.get_device_capability() >= (8, 0)
+    assert ("attend_mma_kernel" in names) == mma, names
+    assert ("attend_kernel" in names) == (not mma), names
 
 
 def test_in_cache_variant_equals_the_op():

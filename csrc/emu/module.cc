@@ -53,11 +53,24 @@ PYBIND11_MODULE(_cuda_emu, m) {
         d["block_barriers"] = s.block_barriers;
         d["warp_syncs"] = s.warp_syncs;
         d["shuffles"] = s.shuffles;
+        d["mmas"] = s.mmas;
         return d;
       },
       "Counters since the last reset_stats(): launches, blocks, threads, released block "
-      "barriers, warp syncs and shuffles.");
+      "barriers, warp syncs, shuffles and tensor-core products (mma.sync).");
   m.def("reset_stats", &sd::emu::reset_stats);
+  m.def(
+      "set_compute_capability",
+      [](int major, int minor) {
+        if (major < 1 || minor < 0) {
+          throw py::value_error("compute capability: expected major >= 1 and minor >= 0, got " +
+                                std::to_string(major) + "." + std::to_string(minor));
+        }
+        sd::emu::set_compute_capability(major, minor);
+      },
+      py::arg("major"), py::arg("minor") = 0,
+      "The compute capability the emulated device reports (default 9.0); below 8.0 the "
+      "launchers take their paths without tensor cores.");
 
   m.def(
       "_selftest_shuffles",
@@ -83,6 +96,21 @@ PYBIND11_MODULE(_cuda_emu, m) {
         return sd::emu::selftest_static_shared(out.data<float>());
       },
       "out[b] = a static shared float as block b found it (before writing it).");
+  m.def(
+      "_selftest_mma",
+      [](py::handle a_obj, py::handle b_obj, bool bf16, py::handle d_obj) {
+        sd::Array a = sd::Array::from_python(a_obj, "a", false);
+        sd::Array b = sd::Array::from_python(b_obj, "b", false);
+        sd::Array d = sd::Array::from_python(d_obj, "d", true);
+        const sd::DType t = bf16 ? sd::DType::kBFloat16 : sd::DType::kFloat16;
+        a.expect_dtype({t}).expect_shape({16, 16}).expect_contiguous();
+        b.expect_dtype({t}).expect_shape({16, 8}).expect_contiguous();
+        d.expect_dtype({sd::DType::kFloat32}).expect_shape({16, 8}).expect_contiguous();
+        return sd::emu::selftest_mma(a.data<uint16_t>(), b.data<uint16_t>(), bf16, d.data<float>());
+      },
+      py::arg("a"), py::arg("b"), py::arg("bf16"), py::arg("d"),
+      "d = a b (a [16, 16], b [16, 8] bf16 or fp16, d [16, 8] float32) by one emulated "
+      "mma.sync m16n8k16, each lane loading its fragments by the documented layout.");
   m.def("_selftest_shared_overflow", &sd::emu::selftest_shared_overflow,
         "Writes one float past a block's dynamic shared memory: faults (run it in a child).");
   m.def("_selftest_rule", &sd::emu::selftest_rule,

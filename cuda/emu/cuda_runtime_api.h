@@ -14,6 +14,8 @@
 //   barrier meanwhile);
 // - a shuffle or __syncwarp names only lanes that exist, each of which makes the same call with
 //   the same mask; the width is a power of two up to 32; an exited lane is never named;
+// - a tensor-core product (mma_m16n8k16 below, cuda/mma.cuh) is reached by all 32 lanes of a
+//   full warp;
 // - the launch configuration: block and grid sizes within CUDA's limits, dynamic shared memory
 //   over 48 KiB only after cudaFuncSetAttribute allowed it, and never over 227 KiB.
 // The order in which threads run between two barriers (and blocks within a grid) is chosen by
@@ -55,6 +57,10 @@ enum cudaError_t {
   cudaErrorLaunchFailure = 719,
 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+enum cudaDeviceAttr {
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrComputeCapabilityMinor = 76,
+};
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 
@@ -87,6 +93,11 @@ void sync_warp(unsigned mask);
 // src(i), computed by the emulator from (kind, arg, width) as CUDA's __shfl*_sync define it.
 enum class ShuffleKind { kIndex, kXor, kUp, kDown };
 uint64_t shuffle(unsigned mask, uint64_t bits, ShuffleKind kind, int arg, int width);
+// PTX's mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: d = a b + c over one 16 x 8 tile, a
+// warp-wide operation on the fragments the 32 lanes hold (in the layout the PTX manual gives for
+// m16n8k16 with 16-bit inputs; each 32-bit register holds two elements, the lower-numbered in its
+// low half). c [4] is updated in place. Products are summed in float, in increasing k.
+void mma_m16n8k16(bool bf16, float* c, const uint32_t* a, const uint32_t* b);
 // The block's dynamic shared memory (the launch's `smem` bytes, filled with 0xff: NaN as float).
 void* dynamic_shared();
 
@@ -103,9 +114,15 @@ const char* last_message();
 enum class Schedule { kForward = 0, kReverse = 1, kShuffled = 2 };
 void set_schedule(Schedule schedule, uint64_t seed);
 
+// The compute capability the emulated device reports (default 9.0): launchers that pick a
+// tensor-core path for sm_80 and newer take their older path below 8.0.
+void set_compute_capability(int major, int minor);
+int compute_capability_major();
+int compute_capability_minor();
+
 // Counters since the last reset, for tests that a path really ran through the emulator.
 struct Stats {
-  uint64_t launches, blocks, threads, block_barriers, warp_syncs, shuffles;
+  uint64_t launches, blocks, threads, block_barriers, warp_syncs, shuffles, mmas;
 };
 Stats stats();
 void reset_stats();
@@ -203,6 +220,22 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 
 inline cudaError_t cudaGetLastError() { return ::sd::emu::take_last_error(); }
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
+  if (device != 0) return cudaErrorInvalidValue;
+  switch (attribute) {
+    case cudaDevAttrComputeCapabilityMajor:
+      *value = ::sd::emu::compute_capability_major();
+      return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor:
+      *value = ::sd::emu::compute_capability_minor();
+      return cudaSuccess;
+  }
+  return cudaErrorInvalidValue;
+}
 const char* cudaGetErrorString(cudaError_t error);
 template <class F>
 cudaError_t cudaFuncSetAttribute(F* kernel, cudaFuncAttribute attribute, int value) {

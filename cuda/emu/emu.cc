@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda_runtime_api.h"
+#include "specdecode/host_device.h"
 
 // ---- fibers -------------------------------------------------------------------------------------
 // A switch saves the callee-saved registers and the FP control words on the running stack and
@@ -81,6 +82,11 @@ struct Fiber {
   Wait wait = Wait::kReady;
   // At a warp barrier: the call and this lane's operand, then the shuffled result.
   bool shuffle = false;
+  bool mma = false;  // a tensor-core product: its fragments below, no shuffle
+  bool mma_bf16 = false;
+  float* mma_c = nullptr;
+  const uint32_t* mma_a = nullptr;
+  const uint32_t* mma_b = nullptr;
   unsigned mask = 0;
   ShuffleKind kind = ShuffleKind::kIndex;
   int arg = 0, width = kWarp;
@@ -98,6 +104,7 @@ struct Emulator {
   Schedule schedule = Schedule::kForward;
   std::mt19937_64 rng{0};
   Stats stats{};
+  int cc_major = 9, cc_minor = 0;
   std::map<const void*, int> max_dynamic;
   std::vector<Stack> stacks;
   // The block being run.
@@ -275,6 +282,45 @@ int shuffle_source(const Fiber& f, int lane) {
   return lane;
 }
 
+float half_value(bool bf16, uint32_t word, int high) {
+  const auto h = static_cast<uint16_t>(high ? word >> 16 : word & 0xffffu);
+  return bf16 ? bf16_to_float(h) : half_to_float(h);
+}
+
+// The product of an mma_m16n8k16 that every lane of the warp at `first` has reached. Fragment
+// layout (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), with
+// g = lane / 4 and t = lane % 4:
+//   a[0] = A[g][2t, 2t+1]      a[1] = A[g+8][2t, 2t+1]
+//   a[2] = A[g][2t+8, 2t+9]    a[3] = A[g+8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1][g]      b[1] = B[2t+8, 2t+9][g]
+//   c[0], c[1] = C[g][2t, 2t+1]          c[2], c[3] = C[g+8][2t, 2t+1]
+void run_mma(Emulator& e, int first, bool bf16) {
+  float a[16][16], b[16][8];
+  for (int lane = 0; lane < kWarp; ++lane) {
+    const Fiber& f = e.fibers[static_cast<size_t>(first + lane)];
+    const int g = lane / 4, t = lane % 4;
+    for (int r = 0; r < 4; ++r) {
+      const int row = g + 8 * (r % 2), col = 2 * t + 8 * (r / 2);
+      a[row][col] = half_value(bf16, f.mma_a[r], 0);
+      a[row][col + 1] = half_value(bf16, f.mma_a[r], 1);
+    }
+    for (int r = 0; r < 2; ++r) {
+      b[2 * t + 8 * r][g] = half_value(bf16, f.mma_b[r], 0);
+      b[2 * t + 8 * r + 1][g] = half_value(bf16, f.mma_b[r], 1);
+    }
+  }
+  for (int lane = 0; lane < kWarp; ++lane) {
+    const Fiber& f = e.fibers[static_cast<size_t>(first + lane)];
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+      float sum = 0.0f;
+      for (int k = 0; k < 16; ++k) sum += a[row][k] * b[k][col];
+      f.mma_c[i] += sum;
+    }
+  }
+}
+
 // Releases the warp barrier that lane `lane` of the warp at `first` waits at, if every lane its
 // mask names has arrived. Returns false with e.failure set when the barrier can never release.
 bool try_release_warp(Emulator& e, int first, int lanes, int lane, bool* released) {
@@ -283,7 +329,9 @@ bool try_release_warp(Emulator& e, int first, int lanes, int lane, bool* release
   // The caller, for a failure's message only (built lazily: every shuffle passes here).
   const auto who = [&] {
     return "thread " + dims(f.ts.thread_idx) + " (lane " + std::to_string(lane) + ") at " +
-           (f.shuffle ? "a shuffle" : "__syncwarp");
+           (f.mma       ? "mma.sync"
+            : f.shuffle ? "a shuffle"
+                        : "__syncwarp");
   };
   if (!((mask >> lane) & 1u)) {
     e.failure = who() + " with a mask that does not name its own lane";
@@ -305,13 +353,21 @@ bool try_release_warp(Emulator& e, int first, int lanes, int lane, bool* release
       return false;
     }
     if (g.wait != Wait::kWarp) return true;  // not arrived yet (cannot happen between rounds)
-    if (g.mask != mask || g.shuffle != f.shuffle ||
+    if (g.mask != mask || g.shuffle != f.shuffle || g.mma != f.mma ||
         (f.shuffle && (g.kind != f.kind || g.width != f.width))) {
       e.failure = who() + " and lane " + std::to_string(m) + " wait at different warp operations";
       return false;
     }
   }
-  if (f.shuffle) {
+  if (f.mma) {
+    if (mask != 0xffffffffu || lanes != kWarp) {
+      e.failure =
+          who() + " with mask " + std::to_string(mask) + ": it needs all 32 lanes of a warp";
+      return false;
+    }
+    run_mma(e, first, f.mma_bf16);
+    ++e.stats.mmas;
+  } else if (f.shuffle) {
     for (int m = 0; m < kWarp; ++m) {
       if (!((mask >> m) & 1u)) continue;
       Fiber& g = e.fibers[static_cast<size_t>(first + m)];
@@ -414,6 +470,7 @@ void sync_warp(unsigned mask) {
   Fiber& f = running_fiber("__syncwarp");
   f.wait = Wait::kWarp;
   f.shuffle = false;
+  f.mma = false;
   f.mask = mask;
   yield_to_scheduler(f);
 }
@@ -425,6 +482,7 @@ uint64_t shuffle(unsigned mask, uint64_t bits, ShuffleKind kind, int arg, int wi
   }
   f.wait = Wait::kWarp;
   f.shuffle = true;
+  f.mma = false;
   f.mask = mask;
   f.kind = kind;
   f.arg = arg;
@@ -432,6 +490,19 @@ uint64_t shuffle(unsigned mask, uint64_t bits, ShuffleKind kind, int arg, int wi
   f.bits = bits;
   yield_to_scheduler(f);
   return f.result;
+}
+
+void mma_m16n8k16(bool bf16, float* c, const uint32_t* a, const uint32_t* b) {
+  Fiber& f = running_fiber("mma.sync");
+  f.wait = Wait::kWarp;
+  f.shuffle = false;
+  f.mma = true;
+  f.mask = 0xffffffffu;
+  f.mma_bf16 = bf16;
+  f.mma_c = c;
+  f.mma_a = a;
+  f.mma_b = b;
+  yield_to_scheduler(f);
 }
 
 void* dynamic_shared() {
@@ -512,6 +583,17 @@ void set_schedule(Schedule schedule, uint64_t seed) {
   e.schedule = schedule;
   e.rng.seed(seed);
 }
+
+void set_compute_capability(int major, int minor) {
+  Emulator& e = the_emulator();
+  std::lock_guard<std::mutex> lock(e.mutex);
+  e.cc_major = major;
+  e.cc_minor = minor;
+}
+
+// Read by launchers inside run_grid's callers, never while a launch holds the mutex.
+int compute_capability_major() { return the_emulator().cc_major; }
+int compute_capability_minor() { return the_emulator().cc_minor; }
 
 Stats stats() {
   Emulator& e = the_emulator();

@@ -9,7 +9,9 @@ namespace cuda {
 
 RuntimeInfo query_runtime() {
   RuntimeInfo info{};
-  info.devices.push_back(DeviceInfo{0, "specdecode CUDA emulator (host)", 9, 0, 0});
+  info.devices.push_back(DeviceInfo{0, "specdecode CUDA emulator (host)",
+                                    emu::compute_capability_major(),
+                                    emu::compute_capability_minor(), 0});
   return info;
 }
 

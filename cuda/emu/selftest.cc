@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "launch.cuh"
+#include "mma.cuh"
 #include "runtime.cuh"
 
 namespace sd {
@@ -72,6 +73,29 @@ __global__ void shared_overflow_kernel(int floats) {
   shared[floats] = 1.0f;
 }
 
+template <bool kBF16>
+__global__ void mma_kernel(const uint16_t* a, const uint16_t* b, float* d) {
+  const int lane = static_cast<int>(threadIdx.x), g = lane / 4, t = lane % 4;
+  const uint32_t af[4] = {
+      cuda::pack_halves(a[g * 16 + 2 * t], a[g * 16 + 2 * t + 1]),
+      cuda::pack_halves(a[(g + 8) * 16 + 2 * t], a[(g + 8) * 16 + 2 * t + 1]),
+      cuda::pack_halves(a[g * 16 + 2 * t + 8], a[g * 16 + 2 * t + 9]),
+      cuda::pack_halves(a[(g + 8) * 16 + 2 * t + 8], a[(g + 8) * 16 + 2 * t + 9])};
+  const uint32_t bf[2] = {cuda::pack_halves(b[(2 * t) * 8 + g], b[(2 * t + 1) * 8 + g]),
+                          cuda::pack_halves(b[(2 * t + 8) * 8 + g], b[(2 * t + 9) * 8 + g])};
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  cuda::mma_m16n8k16<kBF16>(c, af, bf);
+  for (int i = 0; i < 4; ++i) d[(g + 8 * (i / 2)) * 8 + 2 * t + i % 2] = c[i];
+}
+
+__global__ void partial_warp_mma_kernel(float* out) {
+  if (threadIdx.x >= 16) return;
+  const uint32_t a[4] = {0u, 0u, 0u, 0u}, b[2] = {0u, 0u};
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  cuda::mma_m16n8k16<true>(c, a, b);
+  out[threadIdx.x] = c[0];
+}
+
 std::string launch_message(cudaError_t err) {
   return err == cudaSuccess ? std::string() : cuda::error_string(err);
 }
@@ -102,6 +126,15 @@ std::string selftest_shared_overflow() {
   return launch_message(cudaGetLastError());
 }
 
+std::string selftest_mma(const uint16_t* a, const uint16_t* b, bool bf16, float* d) {
+  if (bf16) {
+    SD_LAUNCH(1, 32, 0, nullptr, mma_kernel<true>)(a, b, d);
+  } else {
+    SD_LAUNCH(1, 32, 0, nullptr, mma_kernel<false>)(a, b, d);
+  }
+  return launch_message(cudaGetLastError());
+}
+
 std::string selftest_rule(const std::string& rule) {
   int32_t ints[64] = {};
   float floats[64] = {};
@@ -119,6 +152,8 @@ std::string selftest_rule(const std::string& rule) {
         shared_memory_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, allow);
     if (err != cudaSuccess) return launch_message(err);
     SD_LAUNCH(1, 64, kBytes, nullptr, shared_memory_kernel)(floats);
+  } else if (rule == "partial_warp_mma") {
+    SD_LAUNCH(1, 32, 0, nullptr, partial_warp_mma_kernel)(floats);
   } else if (rule == "block_size") {
     SD_LAUNCH(1, 2048, 0, nullptr, divergent_barrier_kernel)();
   } else {

@@ -24,9 +24,14 @@ std::string selftest_static_shared(float* out);
 // (SIGSEGV) instead of corrupting memory. Tests run it in a child process.
 std::string selftest_shared_overflow();
 
+// One warp computes d = a b (a [16, 16] and b [16, 8] row-major, 16-bit patterns of bf16 or fp16
+// values; d [16, 8] float) with one mma_m16n8k16, each lane loading its fragments by the layout
+// mma.cuh documents. Returns the launch's error message (empty when it ran).
+std::string selftest_mma(const uint16_t* a, const uint16_t* b, bool bf16, float* d);
+
 // A kernel that breaks `rule` ("divergent_barrier", "exited_lane", "foreign_mask",
-// "shared_memory", "shared_memory_allowed", "block_size"); returns the launch's error message
-// (empty when the launch succeeded).
+// "shared_memory", "shared_memory_allowed", "block_size", "partial_warp_mma"); returns the launch's
+// error message (empty when the launch succeeded).
 std::string selftest_rule(const std::string& rule);
 
 }  // namespace emu

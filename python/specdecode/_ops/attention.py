@@ -56,9 +56,15 @@ def _num_splits(q: torch.Tensor, k_cache: torch.Tensor) -> int:
         return 1
     batch, t, hq, _ = q.shape
     group = hq // max(k_cache.shape[2], 1)
-    blocks = batch * k_cache.shape[2] * max(1, -(-(t * group) // 32))
+    # Query rows per thread block: 32 on the CUDA cores; the tensor-core kernel (fp16 / bf16)
+    # takes up to 64, in groups of 16.
+    rows = t * group
+    per_block = 64 if q.dtype != torch.float32 and rows > 32 else 32
+    blocks = batch * k_cache.shape[2] * max(1, -(-rows // per_block))
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    want = max(1, -(-2 * sms // max(blocks, 1)))
+    # About two blocks per SM, the ratio rounded: rounding up took two splits where the batch
+    # alone nearly fills the GPU, 10-50 % slower than one (H200 sweep, bench/RESULTS.md).
+    want = max(1, round(2 * sms / max(blocks, 1)))
     return int(max(1, min(want, -(-k_cache.shape[1] // 256), 64)))
 
 
@@ -160,8 +166,11 @@ def tree_attention(
     ``prefix_lens[b] + j`` whose bit is set in row ``i`` of ``tree_mask`` (its ancestors and
     itself, as :func:`specdecode.ops.tree_info` returns). The two parts are computed separately
     and merged with the log-sum-exp rule. On the CPU each prefix key is read once per KV head for
-    all ``T x Hq / Hkv`` query rows of that head; on CUDA once per KV head and block of 32 such
-    rows, with the prefix split across thread blocks (flash-decoding) and the splits merged.
+    all ``T x Hq / Hkv`` query rows of that head; on CUDA once per KV head and block of up to 64
+    such rows, with the prefix split across thread blocks (flash-decoding) and the splits merged.
+    On sm_80 and newer, fp16 / bf16 caches whose rows start on 16-byte boundaries run both
+    products on the tensor cores (``P`` rounded to the input type before ``P V``, float
+    accumulation); fp32, other layouts and older GPUs run on the CUDA cores in float.
     Grouped-query attention maps query head ``h`` to KV head ``h // (Hq / Hkv)``. Positional
     encodings (RoPE at ``prefix_len + depth``) are the caller's job.
 
