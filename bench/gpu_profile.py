@@ -7,6 +7,11 @@ For a few cases of ``ops.verify``, ``ops.sample``, ``ops.sampling_probs`` and
 allocations, launches and any wait for the device). Then, per case, the kernels by GPU time.
 
     python bench/gpu_profile.py [--repeats 50] [--out FILE]
+    python bench/gpu_profile.py --attention-splits [--out FILE]
+
+``--attention-splits`` instead sweeps the KV split count of the CUDA tree attention (the
+flash-decoding split that ``_num_splits`` picks) over decoding and tree cases: kernel time per
+split count, and the count the heuristic picks, for tuning that heuristic.
 
 Needs a GPU and a CUDA build of specdecode; bench/gpu_session.sh runs it in its bench phase.
 """
@@ -137,13 +142,62 @@ def cases() -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     return out
 
 
+def split_sweep(repeats: int) -> list[str]:
+    """Kernel ms of tree_attention per KV split count (the heuristic's pick marked *)."""
+    from specdecode._ops import attention as attention_module
+
+    heuristic = attention_module._num_splits
+    counts = (1, 2, 4, 8, 16, 32, 64)
+    lines = [
+        "| case | heuristic | " + " | ".join(f"{n} splits" for n in counts) + " |",
+        "|---|---|" + "---|" * len(counts),
+    ]
+    print("\n".join(lines), flush=True)
+    for b in (1, 8, 32):
+        for s in (512, 4096, 16384):
+            for t in (1, 4, 64):
+                for dtype in (torch.bfloat16, torch.float32):
+                    if b * s > 8 * 16384:
+                        continue
+                    fn = attention_case(b, s, t, dtype)
+                    q = torch.empty(b, t, 32, 128, device=DEVICE, dtype=dtype)
+                    pick = heuristic(q, torch.empty(b, s + t, 8, 128, device=DEVICE, dtype=dtype))
+                    cells = []
+                    for n in counts:
+                        attention_module._num_splits = lambda q, k, n=n: n
+                        try:
+                            ms = kernels(fn, repeats)[0]
+                        finally:
+                            attention_module._num_splits = heuristic
+                        cells.append(f"{ms:.4f}" + ("*" if n == pick else ""))
+                    name = f"B={b} S={s} T={t} {str(dtype)[6:]}"
+                    line = f"| {name} | {pick} | " + " | ".join(cells) + " |"
+                    print(line, flush=True)
+                    lines.append(line)
+                    del fn
+                    torch.cuda.empty_cache()
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", default=None, help="also write the report here")
+    ap.add_argument(
+        "--attention-splits",
+        action="store_true",
+        help="sweep tree_attention's KV split count instead of profiling the ops",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile.py needs a GPU")
+    if args.attention_splits:
+        lines = [f"# {torch.cuda.get_device_name(0)}: tree_attention kernel ms by KV splits", ""]
+        lines += split_sweep(args.repeats)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        return
     lines = [
         f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}",
         "",

@@ -12,7 +12,8 @@
 #   2. tests: the `cuda`-marked tests (the kernels against the CPU path, token for token and to the
 #      float64 reference);
 #   3. benchmarks: bench_verify.py, bench_attention.py and draft_sampling.py with --device cuda
-#      (quick tables), gpu_profile.py (each op's kernels against its host time) and
+#      (quick tables), gpu_profile.py (each op's kernels against its host time, and the sweep
+#      of tree attention's KV split count) and
 #      `specdecode demo --device cuda` (the engine end to end on the GPU);
 #   4. with the time left, compute-sanitizer's memcheck and racecheck over the small GPU tests
 #      (phase "sanitizer").
@@ -24,7 +25,8 @@
 # shared out in that order. Set SD_GPU_PHASES (e.g. "tests bench") to skip a phase that an
 # earlier call finished on the same warm machine, SD_GPU_BUILD_DIR for the build folder (default
 # /tmp/sd_build), SD_GPU_FULL=1 for the full tables of bench_verify and bench_attention instead
-# of --quick. $OUT/summary.txt gets one line per phase: its exit status and seconds.
+# of --quick, SD_GPU_SKIP for single phases to leave out (e.g. "bench_verify demo_cuda", the
+# names summary.txt uses). $OUT/summary.txt gets one line per phase: its exit status and seconds.
 #
 # The build phase leaves the compiled module in $OUT/_C.so.gz. A later call on a fresh machine
 # whose change is Python only can skip the build: copy that file to .gpu/ (ignored by git), carry
@@ -50,6 +52,10 @@ left() { echo $((budget - ($(date +%s) - start))); }
 phase() {
   local name=$1 limit=$2
   shift 2
+  if [[ " ${SD_GPU_SKIP:-} " == *" $name "* ]]; then
+    echo "$name: skipped (SD_GPU_SKIP)" | tee -a "$summary"
+    return 0
+  fi
   local avail
   avail=$(left)
   ((avail < limit)) && limit=$avail
@@ -138,6 +144,8 @@ if wants bench; then
       --out "$out/gpu_profile_base.md"
   fi
   phase bench_attention 120 "$py" "$repo/bench/bench_attention.py" --device cuda $quick
+  phase attention_splits 90 "$py" "$repo/bench/gpu_profile.py" --attention-splits --repeats 10 \
+    --out "$out/attention_splits.md"
   phase bench_verify 150 "$py" "$repo/bench/bench_verify.py" --device cuda $quick \
     --out "$out/bench_verify.md"
   phase demo_cuda 60 "$py" -m specdecode demo --device cuda --repeats 2
@@ -147,12 +155,16 @@ fi
 
 # Last, with what is left: the kernels under compute-sanitizer (out-of-bounds and shared-memory
 # races), on the smallest cases of the GPU tests.
+# racecheck is slow (13 tests in 60 s): it gets the attention kernels' shared-memory staging
+# (both kernels, strided caches on and off 16-byte boundaries) and compact_kv.
 if wants sanitizer && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
+    select="dtype0 and not 256 or tree or compact or strided_caches"
+    [[ $tool == racecheck ]] && select="strided_caches or compact"
     phase "sanitizer_$tool" 60 compute-sanitizer --tool "$tool" --error-exitcode 7 \
       "$py" -m pytest -q -x -m cuda -p no:cacheprovider --rootdir "$repo" \
       "$repo/tests/test_ops_tree.py" "$repo/tests/test_ops_verify.py" \
-      "$repo/tests/test_ops_attention.py" -k "dtype0 and not 256 or tree or compact"
+      "$repo/tests/test_ops_attention.py" -k "$select"
   done
 fi
 

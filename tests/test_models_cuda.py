@@ -58,8 +58,8 @@ def synchronising_calls(fn, *args) -> int:
 
 
 def test_cuda_forward_waits_for_the_device_independently_of_the_layer_count():
-    """A decoding step's forward pass waits for the GPU a fixed number of times (its input
-    checks), not once per layer: attention reads no per-layer status on the host."""
+    """A decoding step's forward pass does not wait for the GPU once per layer (only for its
+    input checks): attention reads no per-layer status on the host."""
     counts = []
     for layers in (1, 4):
         model = Transformer(ModelConfig(**{**BASE, "num_hidden_layers": layers})).to("cuda")
@@ -68,6 +68,11 @@ def test_cuda_forward_waits_for_the_device_independently_of_the_layer_count():
         model.forward(prompt, torch.arange(12, device="cuda").expand(2, 12), cache)
         info = ops.tree_info(torch.tensor([[-1, 0, 0, 1]] * 2, dtype=torch.int32, device="cuda"))
         ids = torch.randint(0, BASE["vocab_size"], (2, 4), device="cuda")
-        pos = (12 + info.depth.long()).to("cuda")
-        counts.append(synchronising_calls(model.forward, ids, pos, cache, info.mask))
-    assert counts[0] == counts[1], counts
+        # The steady state of a decoding loop: the count of the third tree pass.
+        for step in range(3):
+            pos = (12 + 4 * step + info.depth.long()).to("cuda")
+            waits = synchronising_calls(model.forward, ids, pos, cache, info.mask)
+        counts.append(waits)
+    # A wait per layer would make the 4-layer model wait 3 more times. (On an H200 the first
+    # model measured in a process waited once more than the second: 5 against 4.)
+    assert counts[1] <= counts[0], counts
