@@ -488,6 +488,25 @@ def test_tree_info_and_paths_equal_the_cpu():
 # ---- the decoding loop ---------------------------------------------------------------------
 
 
+def test_decoding_in_bf16_on_the_emulated_tensor_core_attention():
+    """A bf16 target and draft model decoding with every op emulated: attention runs the
+    tensor-core kernel (1 query row per step autoregressively, up to 8 per tree pass), and the
+    speculative loop's greedy output equals the same target's own greedy decoding there."""
+    target = tiny_transformer(seed=1).to(torch.bfloat16)
+    draft = tiny_transformer(seed=2, layers=1).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (2, 9, 5)]
+    emu.reset_stats()
+    with on_emulator(splits=2):
+        expected = [greedy_reference(target, p, 12) for p in prompts]
+        drafter = ModelDrafter(draft, mode="tree", k=3, branch=2, beam=2, max_nodes=8)
+        out = SpeculativeDecoder(target, drafter).generate(
+            prompts, max_new_tokens=12, temperature=0.0
+        )
+    assert emu.stats()["mmas"] > 0
+    assert out.sequences == expected
+
+
 @pytest.mark.parametrize("drafter", ["cacheback", "tree"])
 def test_decoding_on_the_emulated_kernels(drafter):
     """The speculative decoding loop with every op on the emulated CUDA path (tree_info, verify,
