@@ -170,7 +170,8 @@ def tree_attention(
     such rows, with the prefix split across thread blocks (flash-decoding) and the splits merged.
     On sm_80 and newer, fp16 / bf16 caches whose rows start on 16-byte boundaries run both
     products on the tensor cores (``P`` rounded to the input type before ``P V``, float
-    accumulation); fp32, other layouts and older GPUs run on the CUDA cores in float.
+    accumulation; one running online-softmax state spans prefix and tree, the same merge applied
+    key by key); fp32, other layouts and older GPUs run on the CUDA cores in float.
     Grouped-query attention maps query head ``h`` to KV head ``h // (Hq / Hkv)``. Positional
     encodings (RoPE at ``prefix_len + depth``) are the caller's job.
 
