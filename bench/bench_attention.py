@@ -9,7 +9,8 @@ T tree nodes) it times, best of N:
 * ``naive`` -- matmul -> masked_fill -> softmax -> matmul with the KV heads repeated for GQA.
 
 It also measures, in the same run, the machine's read bandwidth (``sum`` over a 512 MiB fp32
-tensor with the same thread count) and a practical fp32 peak (a 4096^3 matmul), and reports
+tensor with the same thread count) and a practical peak (a 4096^3 matmul: fp32 on the CPU, whose
+kernels compute in fp32; fp32 and bf16 on a GPU, each dtype's rows against its own), and reports
 GB/s of KV that must be read (2 * B * (S + T) * Hkv * D * itemsize) and FLOP/s
 (4 * B * T * Hq * (S + T) * D) against them. For the memory-bound cases (T <= 4) the bandwidth is
 measured again interleaved with the op (alternating calls, best of each), so both see the same
@@ -96,15 +97,20 @@ def kv_read(k: torch.Tensor, v: torch.Tensor):
     return lambda: (k.sum(), v.sum())
 
 
-def machine_figures(device: torch.device, sync) -> tuple[float, float]:
-    """(read GB/s, fp32 matmul GFLOP/s) measured now."""
+def machine_figures(device: torch.device, sync) -> tuple[float, dict[torch.dtype, float]]:
+    """(read GB/s, matmul GFLOP/s by dtype) measured now. The CPU kernels compute every dtype in
+    fp32, so on the CPU the fp32 matmul is the peak of all; on a GPU bf16 has its own (tensor
+    cores), against which the bf16 rows are reported."""
     x = torch.empty(128 * 1024 * 1024, dtype=torch.float32, device=device).uniform_()
     bw = x.numel() * 4 / best_time(x.sum, sync=sync) / 1e9
     n = 4096 if device.type == "cuda" else 2048
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    peak = 2 * n**3 / best_time(lambda: a @ b, sync=sync) / 1e9
-    return bw, peak
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        peaks[dtype] = 2 * n**3 / best_time(lambda a=a, b=b: a @ b, sync=sync) / 1e9
+    peaks.setdefault(torch.bfloat16, peaks[torch.float32])
+    return bw, peaks
 
 
 def make(batch: int, s: int, t: int, dtype: torch.dtype, device: torch.device):
@@ -169,7 +175,7 @@ def main() -> None:
     threads = specdecode.get_num_threads()
     torch.set_num_threads(threads)
 
-    bw, peak = machine_figures(device, sync)
+    bw, peaks = machine_figures(device, sync)
     probe = torch.empty(64 * 1024 * 1024, dtype=torch.float32, device=device).uniform_()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     print(
@@ -180,7 +186,10 @@ def main() -> None:
         print(f"# CPU path: {specdecode._C.attention_isa()}")
     else:
         print(f"# GPU: {torch.cuda.get_device_name(device)}")
-    print(f"# measured read bandwidth {bw:.1f} GB/s, fp32 matmul {peak:.0f} GFLOP/s")
+    print(
+        f"# measured read bandwidth {bw:.1f} GB/s, fp32 matmul {peaks[torch.float32]:.0f} GFLOP/s"
+        + (f", bf16 matmul {peaks[torch.bfloat16]:.0f} GFLOP/s" if device.type == "cuda" else "")
+    )
     print()
     if args.decode_sweep:
         print(
@@ -204,7 +213,7 @@ def main() -> None:
         for batch in batches:
             for s in (512, 4096):
                 for t in trees:
-                    row = run_case(batch, s, t, dtype, device, sync, probe, bw, peak, args)
+                    row = run_case(batch, s, t, dtype, device, sync, probe, bw, peaks[dtype], args)
                     print(row, flush=True)
 
 
