@@ -658,15 +658,36 @@ struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
   template <AttnDType VT>
   SD_TARGET_AVX2 static void pv(const float* p, int rows, int n, const typename Elem<VT>::T* vb,
                                 int64_t vs, int d, const float* alpha, float* o) {
-    pv_stream<VT>(p, rows, n, vb, vs, d, alpha, o, nullptr, 0);
+    pv_row_tiles<VT>(p, rows, n, vb, vs, d, alpha, o, nullptr, 0);
   }
   // pv that also hints the next block's values (n_next rows at next_v, stride vs) into L2,
-  // during its first row tile only (see stream_range).
+  // during its first row tile only (see stream_range). The streaming and lane paths' blocks of
+  // kStreamKeys fp32 value rows (8 KiB at D = 128) are first fetched into L1 in a burst: their
+  // lines were hinted into L2, and the tiles below would otherwise wait on each line's first
+  // touch. Against HEAD in alternating processes (session 20, bench/RESULTS.md): fp32 T = 1
+  // took 4-11 % less time (B = 8 S = 4096, B = 1 S = 16384), T = 2 4-5 % less; bf16 (half the
+  // lines) gained nothing, and the tile path's 64-key blocks (32 KiB, all of L1) lost 5-7 % with
+  // the burst, so pv (the tiles) goes without it.
   template <AttnDType VT>
   SD_TARGET_AVX2 static void pv_stream(const float* p, int rows, int n,
                                        const typename Elem<VT>::T* vb, int64_t vs, int d,
                                        const float* alpha, float* o,
                                        const typename Elem<VT>::T* next_v, int n_next) {
+    if constexpr (VT == AttnDType::kFloat32) {
+      const int row_bytes = d * static_cast<int>(sizeof(float));
+      for (int j = 0; j < n; ++j) {
+        const char* line = reinterpret_cast<const char*>(vb + j * vs);
+        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T0);
+      }
+    }
+    pv_row_tiles<VT>(p, rows, n, vb, vs, d, alpha, o, next_v, n_next);
+  }
+  // The P V tiles of pv and pv_stream: four rows at a time, then the rest.
+  template <AttnDType VT>
+  SD_TARGET_AVX2 static void pv_row_tiles(const float* p, int rows, int n,
+                                          const typename Elem<VT>::T* vb, int64_t vs, int d,
+                                          const float* alpha, float* o,
+                                          const typename Elem<VT>::T* next_v, int n_next) {
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
       pv_rows8<4, VT>(p + r * kBlock, n, vb, vs, d, alpha + r, o + r * d, next_v,
