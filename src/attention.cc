@@ -556,6 +556,10 @@ struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
   // rows take the tiles: at 16 rows the streaming path had been no faster than them (each row
   // reloads and converts the key: 16 vectors are all of AVX2's registers).
   static constexpr int kLaneRows = 8;
+  // The lane path hints the next block of the KV head half the item's heads on (lane_range_of).
+  // Against the head's own, alternating processes, T = 2 (session 21, bench/RESULTS.md): fp32
+  // took 3-8 % less time at B = 8 S = 4096, bf16 1-4 % less there and 2-9 % at B = 1.
+  static constexpr bool kLaneHintOtherHead = true;
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * kStreamKeys * 8 floats of scratch.
@@ -673,14 +677,74 @@ struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
                                        const typename Elem<VT>::T* vb, int64_t vs, int d,
                                        const float* alpha, float* o,
                                        const typename Elem<VT>::T* next_v, int n_next) {
-    if constexpr (VT == AttnDType::kFloat32) {
-      const int row_bytes = d * static_cast<int>(sizeof(float));
-      for (int j = 0; j < n; ++j) {
-        const char* line = reinterpret_cast<const char*>(vb + j * vs);
-        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T0);
+    if constexpr (VT == AttnDType::kFloat32) fetch_values_l1(vb, vs, n, d);
+    pv_row_tiles<VT>(p, rows, n, vb, vs, d, alpha, o, next_v, n_next);
+  }
+  // The burst of pv_stream: every line of n fp32 value rows (vs floats apart) into L1.
+  SD_TARGET_AVX2 static void fetch_values_l1(const float* vb, int64_t vs, int n, int d) {
+    const int row_bytes = d * static_cast<int>(sizeof(float));
+    for (int j = 0; j < n; ++j) {
+      const char* line = reinterpret_cast<const char*>(vb + j * vs);
+      for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T0);
+    }
+  }
+  // The lane path's P V (hides LaneKernels::lane_pv): fp32 after the L1 burst in groups of
+  // kPvGroupKeys keys (pv_key_groups), fp16 / bf16 as pv_stream.
+  template <AttnDType DT>
+  SD_TARGET_AVX2 static void lane_pv(const float* p, int rows, int n, const typename Elem<DT>::T* v,
+                                     int64_t rs, int d, const float* alpha, float* o,
+                                     const typename Elem<DT>::T* next_v, int n_next, float*) {
+    if constexpr (DT == AttnDType::kFloat32) {
+      if (rows > 4 && rows <= 8) {
+        fetch_values_l1(v, rs, n, d);
+        pv_key_groups(p, rows, n, v, rs, d, alpha, o, next_v, n_next);
+        return;
       }
     }
-    pv_row_tiles<VT>(p, rows, n, vb, vs, d, alpha, o, next_v, n_next);
+    pv_stream<DT>(p, rows, n, v, rs, d, alpha, o, next_v, n_next);
+  }
+  // P V of 5 to 8 rows of fp32 weights p (row r at p + r * kBlock) against value rows vb (vs
+  // floats apart) into o, the tiles of pv_row_tiles taken kPvGroupKeys keys at a time: per group
+  // and per 16 columns the tile of rows 0-3, then the tile of the other rows, which reads the
+  // value lines the first has just touched. Over all 16 keys of a block those lines (rows 4 KiB
+  // apart in a [S, 8, 128] cache) are more than an L1 set holds, so the second tile re-read them
+  // from L2. Each accumulator sees the same additions in the same order as in one pass (the
+  // rescale factors with the first group, later groups scale by exactly 1): the same results.
+  // Against one pass, alternating processes, T = 2 (session 21, bench/RESULTS.md): fp32 took
+  // 5-7 % less time at B = 8 S = 4096; bf16 (half the lines per row) 3-7 % more, so fp32 only.
+  static constexpr int kPvGroupKeys = 4;
+  SD_TARGET_AVX2 static void pv_key_groups(const float* p, int rows, int n, const float* vb,
+                                           int64_t vs, int d, const float* alpha, float* o,
+                                           const float* next_v, int n_next) {
+    static constexpr float kOnes[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+    constexpr AttnDType F = AttnDType::kFloat32;
+    const float* p2 = p + 4 * kBlock;
+    float* o2 = o + 4 * d;
+    for (int g = 0; g < n; g += kPvGroupKeys) {
+      const int m = std::min(kPvGroupKeys, n - g);
+      const int hint = std::clamp(n_next - g, 0, m);
+      const float* a1 = g == 0 ? alpha : kOnes;
+      const float* a2 = g == 0 ? alpha + 4 : kOnes;
+      for (int c = 0; c < d; c += 16) {
+        const float* vg = vb + g * vs + c;
+        const float* ng = hint > 0 ? next_v + g * vs + c : nullptr;
+        pv_tile8<4, 2, F>(p + g, m, vg, vs, d, a1, o + c, ng, hint);
+        switch (rows - 4) {
+          case 1:
+            pv_tile8<1, 2, F>(p2 + g, m, vg, vs, d, a2, o2 + c);
+            break;
+          case 2:
+            pv_tile8<2, 2, F>(p2 + g, m, vg, vs, d, a2, o2 + c);
+            break;
+          case 3:
+            pv_tile8<3, 2, F>(p2 + g, m, vg, vs, d, a2, o2 + c);
+            break;
+          default:
+            pv_tile8<4, 2, F>(p2 + g, m, vg, vs, d, a2, o2 + c);
+            break;
+        }
+      }
+    }
   }
   // The P V tiles of pv and pv_stream: four rows at a time, then the rest.
   template <AttnDType VT>
@@ -1056,6 +1120,9 @@ struct Avx512Kernels : lanes_avx512::LaneKernels<Avx512Kernels> {
   // 5-25 % faster than the tiles, which transpose every key block and read each KV head's keys
   // a 4 KiB page apart.
   static constexpr int kLaneRows = 16;
+  // The lane path hints each head's own next block (see lane_range_of): the other head's was
+  // measured on AVX2 only.
+  static constexpr bool kLaneHintOtherHead = false;
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * 256 floats of scratch.
@@ -1787,8 +1854,12 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
 // block is hinted into L2 as in stream_range: a head's keys before its scores, its values during
 // its P V. Against hinting both during the P V, from DRAM, alternating processes (session 12,
 // bench/results/attention_s12_lane_next_keys.txt): bf16 T = 4 at B = 8, S = 4096 took 15-16 %
-// less time, T = 2 2-15 % less (fp32 and bf16), T = 3 and fp32 T = 4 within 3 %. Same state and
-// accumulator contract as attend_range.
+// less time, T = 2 2-15 % less (fp32 and bf16), T = 3 and fp32 T = 4 within 3 %. Where
+// K::kLaneHintOtherHead, the block hinted during head h's work is that of head h + heads / 2
+// (each head's next block is still hinted once, a few heads' work earlier or later): a head's
+// rows of every position lie the same offset into a 4 KiB page, so its next block maps to the
+// very L1 sets its current keys and values occupy, and hints fill L1 on AMD cores. Same state
+// and accumulator contract as attend_range.
 template <class K, AttnDType DT, class L>
 void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
                    const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws,
@@ -1812,15 +1883,17 @@ void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<
     const int n_next = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0 - n));
     const NextKeys<typename Elem<DT>::T> next{k + (j0 + n) * rs, n_next, rs, hs};
     for (int h = 0; h < heads; ++h) {
-      // The head's next keys are hinted before its scores, its next values during its P V (as in
-      // stream_range, one burst here: the lane scores of a head take as long as its P V).
-      for (int j = 0; j < n_next; ++j) next.hint(j, h, row_bytes);
+      // The hinted head's next keys are hinted before this head's scores, its next values during
+      // this head's P V (as in stream_range, one burst here: the lane scores of a head take as
+      // long as its P V).
+      const int hinted = K::kLaneHintOtherHead ? (h + heads / 2) % heads : h;
+      for (int j = 0; j < n_next; ++j) next.hint(j, hinted, row_bytes);
       K::template lane_block<DT, L>(ws.qt + h * words * L::kW, d, rows, k + j0 * rs + h * hs, rs, n,
                                     a.scale * kLog2e, ws.kt, ws.lane_ml + h * 2 * kLanes, ws.sall,
                                     ws.alpha);
       K::template lane_pv<DT>(ws.sall, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
-                              o + static_cast<int64_t>(h) * rows * sh.d, v + (j0 + n) * rs + h * hs,
-                              n_next, ws.vb);
+                              o + static_cast<int64_t>(h) * rows * sh.d,
+                              v + (j0 + n) * rs + hinted * hs, n_next, ws.vb);
     }
   }
   for (int h = 0; h < heads; ++h) {
