@@ -7,14 +7,14 @@
 //
 // Build and run (bench/RESULTS.md, tree_attention, session 21):
 //   g++ -O3 -mavx2 -mfma -std=c++17 bench/probes/lane_stream_probe.cc -o /tmp/lane_stream_probe
-//   /tmp/lane_stream_probe [--compute-only] [--hints same|other|none] [--heads-outer] [--pad N]
-//                         [--partial-scores]
+//   /tmp/lane_stream_probe [--compute-only] [--hints same|other|pages|none] [--page-lines L]
+//                          [--heads-outer] [--pad N]
 // --compute-only  every block reads the first block's keys and values (kept in L1 / L2)
 // --hints         hint the next block of the same KV head (as lane_range_of), of the head four
-//                 steps later, or nothing
+//                 steps later, the first L lines (--page-lines, default 2) of the next block's
+//                 positions, two positions per KV head step, or nothing
 // --heads-outer   each KV head streams a 256-key item alone, instead of all heads per block
 // --pad N         N floats between positions (rows no longer 4 KiB apart)
-// --partial-scores  scores as partial sums (d in the lanes, 4 x 3 register tiles, lane sums)
 #include <immintrin.h>
 
 #include <chrono>
@@ -35,7 +35,7 @@ constexpr size_t kPositions = 32768;
 enum class Hints { kNone, kSame, kOther, kPages };
 
 struct Options {
-  bool compute_only = false, heads_outer = false, partial = false;
+  bool compute_only = false, heads_outer = false;
   Hints hints = Hints::kSame;
   size_t pad = 0;
   int page_lines = 2;
@@ -57,8 +57,6 @@ struct Buffers {
   AlignedFloats k, v;
   size_t rs;  // floats between positions
   alignas(64) float qt[kDim * kRows];
-  alignas(64) float q[kRows * kDim];
-  alignas(64) float part[kKeys * kRows * 8];
   alignas(64) float p[kRows * kKeys];
   alignas(64) float o[kHeads][kRows * kDim];
 };
@@ -84,52 +82,6 @@ void lane_scores(const float* qt, const float* k, size_t rs, __m256* s) {
     }
     for (int j = 0; j < 8; ++j) s[g + j] = acc[j];
   }
-}
-
-// The same scores as partial sums: d in the lanes, register tiles of 4 rows x 4 keys (each key
-// piece and query piece loaded once per tile), then 8 lanes summed per (row, key). q: the rows'
-// query [kRows][kDim]; part: kKeys x kRows x 8 floats of scratch.
-template <int KB>
-void partial_tile(const float* q, const float* k, size_t rs, int r0, int j0, float* part) {
-  __m256 acc[4][KB];
-  for (int r = 0; r < 4; ++r) {
-    for (int j = 0; j < KB; ++j) acc[r][j] = _mm256_setzero_ps();
-  }
-  for (int c = 0; c < kDim; c += 8) {
-    __m256 kv[KB];
-    for (int j = 0; j < KB; ++j) kv[j] = _mm256_loadu_ps(k + (j0 + j) * rs + c);
-    for (int r = 0; r < 4; ++r) {
-      const __m256 qv = _mm256_load_ps(q + (r0 + r) * kDim + c);
-      for (int j = 0; j < KB; ++j) acc[r][j] = _mm256_fmadd_ps(qv, kv[j], acc[r][j]);
-    }
-  }
-  for (int r = 0; r < 4; ++r) {
-    for (int j = 0; j < KB; ++j) _mm256_store_ps(part + ((j0 + j) * kRows + r0 + r) * 8, acc[r][j]);
-  }
-}
-
-// Sum of the 8 lanes of each of x[0 .. 8) (8 vectors, 8 floats apart), one per lane.
-__m256 reduce8(const float* x) {
-  __m256 a[4];
-  for (int i = 0; i < 4; ++i) {
-    a[i] = _mm256_hadd_ps(_mm256_load_ps(x + 16 * i), _mm256_load_ps(x + 16 * i + 8));
-  }
-  const __m256 b0 = _mm256_hadd_ps(a[0], a[1]);
-  const __m256 b1 = _mm256_hadd_ps(a[2], a[3]);
-  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
-}
-
-void partial_scores(const float* q, const float* k, size_t rs, float* part, __m256* s) {
-  for (int r0 = 0; r0 < kRows; r0 += 4) {
-    for (int j0 = 0; j0 < kKeys; j0 += 3) {
-      if (j0 + 3 <= kKeys) {
-        partial_tile<3>(q, k, rs, r0, j0, part);
-      } else {
-        partial_tile<1>(q, k, rs, r0, j0, part);
-      }
-    }
-  }
-  for (int j = 0; j < kKeys; ++j) s[j] = reduce8(part + j * kRows * 8);
 }
 
 // P V of 16 keys into the rows' accumulators o [kRows][kDim], 4 rows x 2 vectors per tile.
@@ -178,11 +130,7 @@ void head_block(Buffers& buf, const Options& opt, size_t j0, int h) {
     hint_rows(buf.v.data() + next, buf.rs, kDim * 4);
   }
   __m256 s[kKeys];
-  if (opt.partial) {
-    partial_scores(buf.q, k, buf.rs, buf.part, s);
-  } else {
-    lane_scores(buf.qt, k, buf.rs, s);
-  }
+  lane_scores(buf.qt, k, buf.rs, s);
   // The scores stay live through the weights: one of them scales the first weight.
   buf.p[0] = 1e-3f + 1e-12f * _mm256_cvtss_f32(s[kKeys - 1]);
   pv_tiles(buf.p, v, buf.rs, buf.o[h]);
@@ -210,8 +158,6 @@ Options parse(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--compute-only") {
       opt.compute_only = true;
-    } else if (a == "--partial-scores") {
-      opt.partial = true;
     } else if (a == "--heads-outer") {
       opt.heads_outer = true;
     } else if (a == "--hints" && i + 1 < argc) {
@@ -241,15 +187,14 @@ int main(int argc, char** argv) {
   buf.k.assign(kPositions * buf.rs, 1e-3f);
   buf.v.assign(kPositions * buf.rs, 1e-3f);
   for (float& x : buf.qt) x = 1e-3f;
-  for (float& x : buf.q) x = 1e-3f;
   for (float& x : buf.p) x = 1e-3f;
   std::memset(buf.o, 0, sizeof(buf.o));
   double best = 1e30;
   for (int rep = 0; rep < 4; ++rep) best = std::min(best, run_once(buf, opt));
   const double bytes = 2.0 * kPositions * kHeads * kDim * sizeof(float);
   const double flops = 4.0 * kPositions * kHeads * kDim * kRows;
-  std::printf("%s%s hints=%s%s pad=%zu: %.2f ms, %.1f GB/s of K+V, %.1f GFLOP/s (%g)\n",
-              opt.compute_only ? "compute-only" : "from memory", opt.partial ? " partial" : "",
+  std::printf("%s hints=%s%s pad=%zu: %.2f ms, %.1f GB/s of K+V, %.1f GFLOP/s (%g)\n",
+              opt.compute_only ? "compute-only" : "from memory",
               opt.hints == Hints::kNone    ? "none"
               : opt.hints == Hints::kSame  ? "same"
               : opt.hints == Hints::kPages ? "pages"
