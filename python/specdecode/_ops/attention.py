@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from .. import _C
-from .common import empty, stream_of
+from .common import empty, multiprocessors, stream_of
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
@@ -61,7 +62,7 @@ def _num_splits(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     rows = t * group
     per_block = 64 if q.dtype != torch.float32 and rows > 32 else 32
     blocks = batch * k_cache.shape[2] * max(1, -(-rows // per_block))
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = multiprocessors(q.device)
     # About two blocks per SM, the ratio rounded: rounding up took two splits where the batch
     # alone nearly fills the GPU, 10-50 % slower than one (H200 sweep, bench/RESULTS.md).
     want = max(1, round(2 * sms / max(blocks, 1)))
@@ -110,16 +111,19 @@ def _tree_attention_impl(
 
 
 def _raise_bad_prefix(status: torch.Tensor, prefix_lens: torch.Tensor, t: int, s: int) -> None:
-    """The kernel's per-row status as an error (a read of the status: on CUDA it waits for the
-    kernel)."""
-    bad = torch.nonzero(status).flatten()
-    if bad.numel():
-        b = int(bad[0])
-        raise ValueError(
-            f"prefix_lens: row {b} has prefix_len {int(prefix_lens[b])}, but 0 <= prefix_len and "
-            f"prefix_len + T ({t}) <= S ({s}) are required"
-            + (f" ({bad.numel() - 1} more invalid rows)" if bad.numel() > 1 else "")
-        )
+    """The kernel's per-row status as an error. On CUDA the status comes over in one copy, which
+    waits for the kernel (``torch.nonzero`` there took a count, a second kernel and the same wait
+    on top)."""
+    flags = status.cpu().numpy()
+    if not np.count_nonzero(flags):
+        return
+    bad = np.flatnonzero(flags)
+    b = int(bad[0])
+    raise ValueError(
+        f"prefix_lens: row {b} has prefix_len {int(prefix_lens[b])}, but 0 <= prefix_len and "
+        f"prefix_len + T ({t}) <= S ({s}) are required"
+        + (f" ({bad.size - 1} more invalid rows)" if bad.size > 1 else "")
+    )
 
 
 def tree_attention_in_cache(
@@ -247,11 +251,12 @@ def _raise_compact_errors(
     prefix_lens: torch.Tensor,
     cache_len: int,
 ) -> None:
-    bad = torch.nonzero(status[:, 0]).flatten()
-    if bad.numel() == 0:
+    host = status.cpu().numpy()  # one copy from a device; it waits for the kernels
+    bad = np.flatnonzero(host[:, 0])
+    if bad.size == 0:
         return
     b = int(bad[0])
-    code, i = (int(x) for x in status[b].tolist())
+    code, i = (int(x) for x in host[b])
     row = path[b].tolist()
     msg = _COMPACT_ERRORS[code].format(
         b=b,

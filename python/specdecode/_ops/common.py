@@ -7,6 +7,7 @@ the inputs' device, because the native module allocates nothing.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,18 @@ def stream_of(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.current_stream(device).cuda_stream)
     return 0
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, read once per device (the launchers size
+    their grids by it on every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _multiprocessors(index)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

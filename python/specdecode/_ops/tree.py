@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .. import _C
@@ -48,14 +49,15 @@ class TreeInfo(NamedTuple):
 
 
 def _raise_tree_errors(parents: Any, status: torch.Tensor) -> None:
-    bad = torch.nonzero(status[:, 0]).flatten()
-    if bad.numel() == 0:
+    host = status.cpu().numpy()  # one copy from a device; it waits for the kernels
+    bad = np.flatnonzero(host[:, 0])
+    if bad.size == 0:
         return
     b = int(bad[0])
-    code, node = (int(v) for v in status[b].tolist())
+    code, node = (int(v) for v in host[b])
     row = torch.as_tensor(parents)[b] if not isinstance(parents, torch.Tensor) else parents[b]
     parent = int(row[node])
-    more = f" ({bad.numel() - 1} more invalid rows)" if bad.numel() > 1 else ""
+    more = f" ({bad.size - 1} more invalid rows)" if bad.size > 1 else ""
     raise ValueError(
         f"parents: invalid tree in batch row {b}: "
         + _TREE_ERRORS[code].format(node=node, parent=parent)
@@ -175,8 +177,8 @@ def tree_paths(
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     paths = empty((batch, max_paths, path_len), torch.int32, device)
     _C.tree_paths(parents, info.depth, info.num_nodes, paths, num_paths, status, stream)
-    bad = torch.nonzero(status).flatten()
-    if bad.numel():
+    bad = np.flatnonzero(status.cpu().numpy())
+    if bad.size:
         b = int(bad[0])
         raise ValueError(
             f"max_paths={max_paths}, path_len={path_len} are too small for batch row {b}: it "

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import _C
-from .common import stream_of
+from .common import multiprocessors, stream_of
 from .tree import MAX_TREE_NODES, tree_info
 
 MAX_VOCAB = 256 * 2048
@@ -273,7 +273,7 @@ def _final_slices(batch: int, vocab: int, device: torch.device) -> int:
     (one thread block per sequence and slice): about two blocks per SM, and at least 16 chunks a
     slice (one pass of a 128-thread block, eight threads per chunk)."""
     chunks = -(-vocab // 256)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = multiprocessors(device)
     want = -(-2 * sms // max(batch, 1))
     return int(max(1, min(want, -(-chunks // 16))))
 
