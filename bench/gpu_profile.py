@@ -6,7 +6,7 @@ For a few cases of ``ops.verify``, ``ops.sample``, ``ops.sampling_probs`` and
 (from ``torch.profiler``), and the host-side share (wall minus kernel time: argument checks,
 allocations, launches and any wait for the device). Then, per case, the kernels by GPU time.
 
-    python bench/gpu_profile.py [--repeats 50] [--out FILE]
+    python bench/gpu_profile.py [--repeats 50] [--out FILE] [--only SUBSTRING]
     python bench/gpu_profile.py --attention-splits [--out FILE]
 
 ``--attention-splits`` instead sweeps the KV split count of the CUDA tree attention (the
@@ -24,6 +24,7 @@ import time
 from typing import Callable
 
 import torch
+from specdecode._ops import attention as attention_module
 from torch.profiler import ProfilerActivity, profile
 
 from specdecode import ops
@@ -89,7 +90,9 @@ def probs_case(b: int, v: int, top_k: int, top_p: float) -> Callable[[], object]
     return lambda: ops.sampling_probs(logits, 0.8, top_k, top_p)
 
 
-def attention_case(b: int, s: int, t: int, dtype: torch.dtype) -> Callable[[], object]:
+def attention_case(
+    b: int, s: int, t: int, dtype: torch.dtype, in_cache: bool = False
+) -> Callable[[], object]:
     hq, hkv, d = 32, 8, 128
     q = torch.randn(b, t, hq, d, device=DEVICE, dtype=dtype)
     k = torch.randn(b, s + t, hkv, d, device=DEVICE, dtype=dtype)
@@ -99,6 +102,9 @@ def attention_case(b: int, s: int, t: int, dtype: torch.dtype) -> Callable[[], o
     if t > 1:
         parents = ops.chain_parents(b, t - 1).to(torch.int32).to(DEVICE)
         mask = ops.tree_info(parents).mask
+    if in_cache:
+        # What a model calls: the same kernels without the read of the status (no wait).
+        return lambda: attention_module.tree_attention_in_cache(q, k, v, lens, mask, d**-0.5)
     return lambda: ops.tree_attention(q, k, v, lens, mask)
 
 
@@ -135,17 +141,22 @@ def cases() -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             )
     for b in (1, 8):
         for s in (512, 4096):
-            for t in (1, 64):
+            for t in (1, 4, 16, 64):
                 for dtype in (torch.float32, torch.bfloat16):
                     name = f"tree_attention B={b} S={s} T={t} {str(dtype)[6:]}"
                     out.append((name, lambda b=b, s=s, t=t, dt=dtype: attention_case(b, s, t, dt)))
+    for dtype in (torch.float32, torch.bfloat16):
+        out.append(
+            (
+                f"tree_attention_in_cache B=8 S=4096 T=1 {str(dtype)[6:]}",
+                lambda dt=dtype: attention_case(8, 4096, 1, dt, in_cache=True),
+            )
+        )
     return out
 
 
 def split_sweep(repeats: int) -> list[str]:
     """Kernel ms of tree_attention per KV split count (the heuristic's pick marked *)."""
-    from specdecode._ops import attention as attention_module
-
     heuristic = attention_module._num_splits
     counts = (1, 2, 4, 8, 16, 32, 64)
     lines = [
@@ -188,6 +199,7 @@ def main() -> None:
         action="store_true",
         help="sweep tree_attention's KV split count instead of profiling the ops",
     )
+    ap.add_argument("--only", default="", help="profile only the cases whose name contains this")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile.py needs a GPU")
@@ -207,6 +219,8 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     details = []
     for name, make in cases():
+        if args.only not in name:
+            continue
         fn = make()
         wall = wall_ms(fn, args.repeats)
         gpu, launches, ranked = kernels(fn, args.repeats)

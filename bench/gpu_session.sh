@@ -33,6 +33,20 @@
 # it, and leave "build" out of SD_GPU_PHASES; the package is then python/ plus that module. A
 # call that builds with such a module carried takes it as the baseline of gpu_profile.py (the
 # kernels before a change against after it, in one run).
+#
+# Two more baselines for one call:
+#   SD_GPU_BASE_PYTHON=DIR (a folder holding a `specdecode` package's Python files, e.g. a copy
+#     of an earlier commit's python/specdecode in an ignored folder that the call carries): the
+#     baseline of gpu_profile.py is then that Python with this call's freshly built module, for
+#     a change to the Python layer alone;
+#   SD_GPU_VARIANT=DIR (an ignored folder, carried, whose files lie at their paths in the tree,
+#     e.g. DIR/cuda/attention.cu): a copy of the tree with those files laid over it is built
+#     beside the main build (the cores shared), its tree attention tests run ("tests_variant")
+#     and gpu_profile.py's tree attention cases ("gpu_profile_variant"), so a kernel variant is
+#     measured against the tree in the same run.
+# The phase "ncu" (add it to SD_GPU_PHASES) runs Nsight Compute on the tree attention kernel of
+# a few cases (SD_GPU_NCU_CASES, gpu_profile.py's case names) with the sections that say what
+# bounds it: $OUT/ncu.log.
 set -uo pipefail
 
 out=${OUT:-/tmp/sd_gpu_out}
@@ -106,17 +120,39 @@ PY
 # With a build and a carried module, the carried one is the baseline: gpu_profile.py runs on
 # both in the bench phase (the same machine, one after the other).
 base_site=
+# build_into NAME SITE BUILD_DIR: the package with the CUDA kernels, from the current folder.
+# The test extra is not installed: its packages (pytest, numpy, transformers) are in the image and
+# nothing can be fetched there.
+build_into() {
+  phase "$1" 300 env SPECDECODE_CUDA=ON SPECDECODE_CUDA_ARCHS="$arch" \
+    "$py" -m pip install --no-deps --no-build-isolation --no-index --target "$2" \
+    -Cbuild-dir="$3" .
+}
+
+variant_site=
 if wants build; then
-  # The test extra is not installed: its packages (pytest, numpy, transformers) are in the image
-  # and nothing can be fetched there.
-  phase build 300 env SPECDECODE_CUDA=ON SPECDECODE_CUDA_ARCHS="$arch" \
-    "$py" -m pip install --no-deps --no-build-isolation --no-index --target "$site" \
-    -Cbuild-dir="${SD_GPU_BUILD_DIR:-/tmp/sd_build}" . || {
+  variant_pid=
+  if [[ -n ${SD_GPU_VARIANT:-} ]]; then
+    # Both builds at once on half the cores each: the longest translation unit bounds each.
+    export CMAKE_BUILD_PARALLEL_LEVEL=$(((CMAKE_BUILD_PARALLEL_LEVEL + 1) / 2))
+    rm -rf /tmp/variant_src && mkdir -p /tmp/variant_src &&
+      tar --exclude=./.gpu --exclude=./.git -cf - . | tar -xf - -C /tmp/variant_src &&
+      cp -r "$SD_GPU_VARIANT"/. /tmp/variant_src/ || exit 1
+    (cd /tmp/variant_src && build_into build_variant /tmp/site_variant /tmp/sd_build_variant) &
+    variant_pid=$!
+  fi
+  build_into build "$site" "${SD_GPU_BUILD_DIR:-/tmp/sd_build}" || {
     echo "build failed: see build.log" | tee -a "$summary"
     exit 1
   }
+  if [[ -n $variant_pid ]] && wait "$variant_pid"; then
+    variant_site=/tmp/site_variant
+  fi
   gzip -c "$site"/specdecode/_C.*.so >"$out/_C.so.gz"
-  if [[ -f .gpu/_C.so.gz ]] && install_carried /tmp/site_base; then
+  if [[ -n ${SD_GPU_BASE_PYTHON:-} ]]; then
+    mkdir -p /tmp/site_base && cp -r "$SD_GPU_BASE_PYTHON/specdecode" /tmp/site_base/ &&
+      cp "$site"/specdecode/_C.*.so /tmp/site_base/specdecode/ && base_site=/tmp/site_base
+  elif [[ -f .gpu/_C.so.gz ]] && install_carried /tmp/site_base; then
     base_site=/tmp/site_base
   fi
 elif [[ -f .gpu/_C.so.gz ]]; then
@@ -133,6 +169,10 @@ repo=$OLDPWD
 if wants tests; then
   phase tests 150 "$py" -m pytest -v -m cuda -p no:cacheprovider --durations=10 \
     --rootdir "$repo" "$repo/tests"
+  if [[ -n $variant_site ]]; then
+    phase tests_variant 60 env PYTHONPATH="$variant_site" "$py" -m pytest -q -m cuda \
+      -p no:cacheprovider --rootdir "$repo" "$repo/tests/test_ops_attention.py"
+  fi
 fi
 
 if wants bench; then
@@ -143,14 +183,38 @@ if wants bench; then
     phase gpu_profile_base 60 env PYTHONPATH="$base_site" "$py" "$repo/bench/gpu_profile.py" \
       --out "$out/gpu_profile_base.md"
   fi
+  if [[ -n $variant_site ]]; then
+    phase gpu_profile_variant 40 env PYTHONPATH="$variant_site" "$py" \
+      "$repo/bench/gpu_profile.py" --only tree_attention --out "$out/gpu_profile_variant.md"
+  fi
   phase bench_attention 120 "$py" "$repo/bench/bench_attention.py" --device cuda $quick
   phase attention_splits 90 "$py" "$repo/bench/gpu_profile.py" --attention-splits --repeats 10 \
     --out "$out/attention_splits.md"
   phase bench_verify 150 "$py" "$repo/bench/bench_verify.py" --device cuda $quick \
     --out "$out/bench_verify.md"
   phase demo_cuda 60 "$py" -m specdecode demo --device cuda --repeats 2
+  if [[ -n ${SD_GPU_BASE_PYTHON:-} && -n $base_site ]]; then
+    phase demo_cuda_base 60 env PYTHONPATH="$base_site" "$py" -m specdecode demo --device cuda \
+      --repeats 2
+  fi
   phase bench_draft_sampling 40 "$py" "$repo/bench/draft_sampling.py" --device cuda \
     --skip-generation --repeats 20
+fi
+
+# Nsight Compute on the attention kernel of each case: one launch after two warm-up calls.
+if wants ncu && command -v ncu >/dev/null; then
+  phase ncu 90 bash -c '
+    IFS=";" read -ra cases <<<"$1"
+    for c in "${cases[@]}"; do
+      echo "=== $c"
+      ncu -k regex:attend --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats \
+        "$2" -c "import sys; sys.path.insert(0, \"$3\"); import gpu_profile as g, torch
+fn = dict(g.cases())[\"$c\"]()
+for _ in range(3): fn()
+torch.cuda.synchronize()"
+    done' ncu "${SD_GPU_NCU_CASES:-tree_attention B=8 S=4096 T=1 bfloat16;tree_attention B=8 S=4096 T=64 bfloat16}" "$py" "$repo/bench"
 fi
 
 # Last, with what is left: the kernels under compute-sanitizer (out-of-bounds and shared-memory
