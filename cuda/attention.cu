@@ -420,6 +420,15 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks
   constexpr int kPitch = mma_pitch<D>();
   const int lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
 
+  // The fragments come from shared memory by ldmatrix.x4, lane l addressing row l % 8 of matrix
+  // l / 8. Q: matrices (rows 0-7 | 8-15) x (dims d0 | d0 + 8) in the order of a's registers; K:
+  // (keys kc | kc + 8) x (dims d0 | d0 + 8), each key half's pair a B fragment; V (transposed):
+  // (keys kc | kc + 8) x (dims of n-tiles nd | nd + 1).
+  const int lrow = lane % 8 + 8 * (lane / 8 % 2), lcol = 8 * (lane / 16);
+  const uint16_t* q_at = qs + lrow * kPitch + lcol;
+  const uint16_t* k_at = ks + (kc + lane % 8 + 8 * (lane / 16)) * kPitch + 8 * (lane / 8 % 2);
+  const uint16_t* v_at = vs + (kc + lrow) * kPitch + lcol;
+
   float s[2][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -428,15 +437,11 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks
   }
 #pragma unroll
   for (int d0 = 0; d0 < D; d0 += 16) {
-    const uint16_t* q0 = qs + g * kPitch + d0 + 2 * t;
-    const uint32_t a[4] = {load_word(q0), load_word(q0 + 8 * kPitch), load_word(q0 + 8),
-                           load_word(q0 + 8 * kPitch + 8)};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint16_t* k0 = ks + (kc + 8 * h + g) * kPitch + d0 + 2 * t;
-      const uint32_t b[2] = {load_word(k0), load_word(k0 + 8)};
-      mma_m16n8k16<kBF16>(s[h], a, b);
-    }
+    uint32_t a[4], kf[4];
+    ldmatrix_x4<false>(a, q_at + d0);
+    ldmatrix_x4<false>(kf, k_at + d0);
+    mma_m16n8k16<kBF16>(s[0], a, kf);
+    mma_m16n8k16<kBF16>(s[1], a, kf + 2);
   }
 
   // s[h][i] is the score of row g + 8 (i / 2) and key kc + 8 h + 2 t + i % 2.
@@ -484,12 +489,13 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks
                           pack_halves(Elem<DT>::store(p[0][2]), Elem<DT>::store(p[0][3])),
                           pack_halves(Elem<DT>::store(p[1][0]), Elem<DT>::store(p[1][1])),
                           pack_halves(Elem<DT>::store(p[1][2]), Elem<DT>::store(p[1][3]))};
+  static_assert(D % 16 == 0, "V's n-tiles are loaded in pairs");
 #pragma unroll
-  for (int nd = 0; nd < D / 8; ++nd) {
-    const uint16_t* v0 = vs + (kc + 2 * t) * kPitch + nd * 8 + g;
-    const uint32_t b[2] = {pack_halves(v0[0], v0[kPitch]),
-                           pack_halves(v0[8 * kPitch], v0[9 * kPitch])};
-    mma_m16n8k16<kBF16>(o[nd], pa, b);
+  for (int nd = 0; nd < D / 8; nd += 2) {
+    uint32_t vf[4];
+    ldmatrix_x4<true>(vf, v_at + nd * 8);
+    mma_m16n8k16<kBF16>(o[nd], pa, vf);
+    mma_m16n8k16<kBF16>(o[nd + 1], pa, vf + 2);
   }
 }
 

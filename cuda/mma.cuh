@@ -90,5 +90,45 @@ __device__ __forceinline__ uint32_t pack_halves(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
+// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16: four 8 x 8 matrices of 16-bit elements from
+// shared memory, one register of each per lane. Lane l gives the address of row l % 8 of matrix
+// l / 8 (8 contiguous elements, 16-byte aligned). With g = lane / 4 and t = lane % 4, register i
+// holds of matrix i (the lower-numbered element in the low half)
+//   [g][2t], [g][2t+1]       without kTrans: an A fragment's layout, or a B fragment's where the
+//                            matrix rows are B's columns (K rows for Q K^T);
+//   [2t][g], [2t+1][g]       with kTrans: a B fragment's where the rows are B's rows (V rows for
+//                            P V).
+// A warp-wide instruction: every lane of the warp must reach it together. The emulator gathers
+// the rows' addresses with shuffles (its lanes are threadIdx.x % 32: one-dimensional blocks).
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const uint16_t* row) {
+#if defined(SPECDECODE_CUDA_EMULATED_RUNTIME)
+  const int lane = static_cast<int>(threadIdx.x % 32), g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kTrans) {
+      const uint16_t* r0 = __shfl_sync(0xffffffffu, row, 8 * i + 2 * t);
+      const uint16_t* r1 = __shfl_sync(0xffffffffu, row, 8 * i + 2 * t + 1);
+      r[i] = pack_halves(r0[g], r1[g]);
+    } else {
+      const uint16_t* src = __shfl_sync(0xffffffffu, row, 8 * i + g);
+      r[i] = pack_halves(src[2 * t], src[2 * t + 1]);
+    }
+  }
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
 }  // namespace cuda
 }  // namespace sd
