@@ -206,6 +206,26 @@ def test_a_write_past_dynamic_shared_memory_faults():
     assert "survived" not in proc.stdout
 
 
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_gives_each_lane_the_ptx_layout(trans):
+    """One emulated ldmatrix.x4 over the four 8 x 8 quadrants of a [16, 16] matrix: register i of
+    lane l (g = l // 4, t = l % 4) holds elements [g][2t], [g][2t+1] of quadrant i, or with .trans
+    [2t][g], [2t+1][g], the lower-numbered in the low half (PTX ISA, ldmatrix)."""
+    m = torch.arange(256, dtype=torch.int16).reshape(16, 16)  # element = its own index
+    out = torch.full((32, 4), -1, dtype=torch.int32)
+    assert emu._selftest_ldmatrix(m.view(torch.bfloat16), trans, out) == ""
+    got = out.numpy().view("uint32")
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for i in range(4):
+            r0, c0 = 8 * (i % 2), 8 * (i // 2)
+            if trans:
+                lo, hi = (r0 + 2 * t) * 16 + c0 + g, (r0 + 2 * t + 1) * 16 + c0 + g
+            else:
+                lo, hi = (r0 + g) * 16 + c0 + 2 * t, (r0 + g) * 16 + c0 + 2 * t + 1
+            assert got[lane, i] == lo | (hi << 16), (lane, i, hex(int(got[lane, i])))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mma_multiplies_the_fragments_of_the_ptx_layout(dtype):
     """One emulated mma.sync m16n8k16: each lane loads its fragments of a [16, 16] and b [16, 8]

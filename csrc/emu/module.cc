@@ -111,6 +111,20 @@ PYBIND11_MODULE(_cuda_emu, m) {
       py::arg("a"), py::arg("b"), py::arg("bf16"), py::arg("d"),
       "d = a b (a [16, 16], b [16, 8] bf16 or fp16, d [16, 8] float32) by one emulated "
       "mma.sync m16n8k16, each lane loading its fragments by the documented layout.");
+  m.def(
+      "_selftest_ldmatrix",
+      [](py::handle m_obj, bool trans, py::handle out_obj) {
+        sd::Array mat = sd::Array::from_python(m_obj, "m", false);
+        sd::Array out = sd::Array::from_python(out_obj, "out", true);
+        mat.expect_dtype({sd::DType::kBFloat16, sd::DType::kFloat16})
+            .expect_shape({16, 16})
+            .expect_contiguous();
+        out.expect_dtype({sd::DType::kInt32}).expect_shape({32, 4}).expect_contiguous();
+        return sd::emu::selftest_ldmatrix(mat.data<uint16_t>(), trans, out.data<uint32_t>());
+      },
+      py::arg("m"), py::arg("trans"), py::arg("out"),
+      "out[lane] = the four registers one emulated ldmatrix.x4 (.trans with `trans`) gives each "
+      "lane for the quadrants of m [16, 16] (bf16 or fp16); out int32 [32, 4].");
   m.def("_selftest_shared_overflow", &sd::emu::selftest_shared_overflow,
         "Writes one float past a block's dynamic shared memory: faults (run it in a child).");
   m.def("_selftest_rule", &sd::emu::selftest_rule,

@@ -88,6 +88,21 @@ __global__ void mma_kernel(const uint16_t* a, const uint16_t* b, float* d) {
   for (int i = 0; i < 4; ++i) d[(g + 8 * (i / 2)) * 8 + 2 * t + i % 2] = c[i];
 }
 
+// The rows of m [16, 16] in shared memory 24 elements apart (padded, as the attention kernel's
+// tiles are); lane l addresses row l % 8 + 8 ((l / 8) % 2), column 8 (l / 16): matrix i is the
+// quadrant (rows 8 (i % 2), columns 8 (i / 2)). out [32, 4]: each lane's four registers.
+template <bool kTrans>
+__global__ void ldmatrix_kernel(const uint16_t* m, uint32_t* out) {
+  constexpr int kPitch = 24;
+  SD_DYNAMIC_SHARED(uint16_t, tile);
+  const int lane = static_cast<int>(threadIdx.x);
+  for (int e = lane; e < 16 * 16; e += 32) tile[e / 16 * kPitch + e % 16] = m[e];
+  __syncwarp();
+  uint32_t r[4];
+  cuda::ldmatrix_x4<kTrans>(r, tile + (lane % 8 + 8 * (lane / 8 % 2)) * kPitch + 8 * (lane / 16));
+  for (int i = 0; i < 4; ++i) out[lane * 4 + i] = r[i];
+}
+
 __global__ void partial_warp_mma_kernel(float* out) {
   if (threadIdx.x >= 16) return;
   const uint32_t a[4] = {0u, 0u, 0u, 0u}, b[2] = {0u, 0u};
@@ -131,6 +146,16 @@ std::string selftest_mma(const uint16_t* a, const uint16_t* b, bool bf16, float*
     SD_LAUNCH(1, 32, 0, nullptr, mma_kernel<true>)(a, b, d);
   } else {
     SD_LAUNCH(1, 32, 0, nullptr, mma_kernel<false>)(a, b, d);
+  }
+  return launch_message(cudaGetLastError());
+}
+
+std::string selftest_ldmatrix(const uint16_t* m, bool trans, uint32_t* out) {
+  constexpr size_t kBytes = 16 * 24 * sizeof(uint16_t);
+  if (trans) {
+    SD_LAUNCH(1, 32, kBytes, nullptr, ldmatrix_kernel<true>)(m, out);
+  } else {
+    SD_LAUNCH(1, 32, kBytes, nullptr, ldmatrix_kernel<false>)(m, out);
   }
   return launch_message(cudaGetLastError());
 }

@@ -29,6 +29,11 @@ std::string selftest_shared_overflow();
 // mma.cuh documents. Returns the launch's error message (empty when it ran).
 std::string selftest_mma(const uint16_t* a, const uint16_t* b, bool bf16, float* d);
 
+// One warp loads the four 8 x 8 quadrants of m [16, 16] (16-bit patterns, row-major) from shared
+// memory with one ldmatrix_x4 (transposed with `trans`), quadrant i = (rows 8 (i % 2), columns
+// 8 (i / 2)); out [32, 4] gets each lane's four registers. Returns the launch's error message.
+std::string selftest_ldmatrix(const uint16_t* m, bool trans, uint32_t* out);
+
 // A kernel that breaks `rule` ("divergent_barrier", "exited_lane", "foreign_mask",
 // "shared_memory", "shared_memory_allowed", "block_size", "partial_warp_mma"); returns the launch's
 // error message (empty when the launch succeeded).
