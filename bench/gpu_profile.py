@@ -155,10 +155,13 @@ def cases() -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     return out
 
 
-def split_sweep(repeats: int) -> list[str]:
+def split_sweep(
+    repeats: int,
+    counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
+) -> list[str]:
     """Kernel ms of tree_attention per KV split count (the heuristic's pick marked *)."""
     heuristic = attention_module._num_splits
-    counts = (1, 2, 4, 8, 16, 32, 64)
     lines = [
         "| case | heuristic | " + " | ".join(f"{n} splits" for n in counts) + " |",
         "|---|---|" + "---|" * len(counts),
@@ -167,7 +170,7 @@ def split_sweep(repeats: int) -> list[str]:
     for b in (1, 8, 32):
         for s in (512, 4096, 16384):
             for t in (1, 4, 64):
-                for dtype in (torch.bfloat16, torch.float32):
+                for dtype in dtypes:
                     if b * s > 8 * 16384:
                         continue
                     fn = attention_case(b, s, t, dtype)
@@ -200,12 +203,24 @@ def main() -> None:
         help="sweep tree_attention's KV split count instead of profiling the ops",
     )
     ap.add_argument("--only", default="", help="profile only the cases whose name contains this")
+    ap.add_argument(
+        "--split-counts",
+        default="1,2,4,8,16,32,64",
+        help="with --attention-splits: the split counts to time, comma-separated",
+    )
+    ap.add_argument(
+        "--dtypes",
+        default="bfloat16,float32",
+        help="with --attention-splits: the dtypes, comma-separated torch names",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile.py needs a GPU")
     if args.attention_splits:
         lines = [f"# {torch.cuda.get_device_name(0)}: tree_attention kernel ms by KV splits", ""]
-        lines += split_sweep(args.repeats)
+        counts = tuple(int(n) for n in args.split_counts.split(","))
+        dtypes = tuple(getattr(torch, name) for name in args.dtypes.split(","))
+        lines += split_sweep(args.repeats, counts, dtypes)
         if args.out:
             with open(args.out, "w") as f:
                 f.write("\n".join(lines) + "\n")

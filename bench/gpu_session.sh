@@ -44,7 +44,8 @@
 #     beside the main build (the cores shared), its tree attention tests run ("tests_variant")
 #     and gpu_profile.py's tree attention cases ("gpu_profile_variant"), so a kernel variant is
 #     measured against the tree in the same run.
-# The phase "ncu" (add it to SD_GPU_PHASES) runs Nsight Compute on the tree attention kernel of
+# SD_GPU_SPLITS_ARGS adds options to the split sweep (e.g. "--split-counts 1,2,3,4 --dtypes
+# bfloat16"). The phase "ncu" (add it to SD_GPU_PHASES) runs Nsight Compute on the tree attention kernel of
 # a few cases (SD_GPU_NCU_CASES, gpu_profile.py's case names) with the sections that say what
 # bounds it: $OUT/ncu.log.
 set -uo pipefail
@@ -188,8 +189,9 @@ if wants bench; then
       "$repo/bench/gpu_profile.py" --only tree_attention --out "$out/gpu_profile_variant.md"
   fi
   phase bench_attention 120 "$py" "$repo/bench/bench_attention.py" --device cuda $quick
+  # shellcheck disable=SC2086  # SD_GPU_SPLITS_ARGS: more options of the sweep, word-split
   phase attention_splits 90 "$py" "$repo/bench/gpu_profile.py" --attention-splits --repeats 10 \
-    --out "$out/attention_splits.md"
+    ${SD_GPU_SPLITS_ARGS:-} --out "$out/attention_splits.md"
   phase bench_verify 150 "$py" "$repo/bench/bench_verify.py" --device cuda $quick \
     --out "$out/bench_verify.md"
   phase demo_cuda 60 "$py" -m specdecode demo --device cuda --repeats 2
