@@ -418,7 +418,7 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks
                                           SoftmaxState st[2], float (*o)[4]) {
   constexpr bool kBF16 = DT == AttnDType::kBFloat16;
   constexpr int kPitch = mma_pitch<D>();
-  const int lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  const int lane = threadIdx.x % kWarp, t = lane % 4;
 
   // The fragments come from shared memory by ldmatrix.x4, lane l addressing row l % 8 of matrix
   // l / 8. Q: matrices (rows 0-7 | 8-15) x (dims d0 | d0 + 8) in the order of a's registers; K:
@@ -444,7 +444,7 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks
     mma_m16n8k16<kBF16>(s[1], a, kf + 2);
   }
 
-  // s[h][i] is the score of row g + 8 (i / 2) and key kc + 8 h + 2 t + i % 2.
+  // s[h][i] is the score of row lane / 4 + 8 (i / 2) and key kc + 8 h + 2 t + i % 2.
   float p[2][4];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

@@ -74,18 +74,6 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// A 32-bit word of shared memory (p 4-byte aligned): two 16-bit elements, the first in the low
-// half.
-__device__ __forceinline__ uint32_t load_word(const uint16_t* p) {
-#if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const uint32_t*>(p);
-#else
-  uint32_t w;
-  std::memcpy(&w, p, sizeof(w));
-  return w;
-#endif
-}
-
 __device__ __forceinline__ uint32_t pack_halves(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
