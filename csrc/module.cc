@@ -13,4 +13,5 @@ PYBIND11_MODULE(_C, m) {
   sd::register_attention_ops(m);
   sd::register_verify_ops(m);
   sd::register_verify_math_ops(m);
+  sd::register_host_device_ops(m);
 }

@@ -10,4 +10,5 @@ void register_ngram_ops(pybind11::module_& m);
 void register_attention_ops(pybind11::module_& m);
 void register_verify_ops(pybind11::module_& m);
 void register_verify_math_ops(pybind11::module_& m);
+void register_host_device_ops(pybind11::module_& m);
 }  // namespace sd

@@ -31,11 +31,11 @@ from specdecode._ops import attention as attention_module
 from specdecode._ops import tree as tree_module
 from specdecode._ops import verify as verify_module
 from specdecode.drafters import CachebackDrafter, ModelDrafter
-from test_ops_attention import TOL, make_case
+from test_ops_attention import TOL, all_halves, floats_around_halves, make_case
 from test_ops_attention import random_parents as random_attention_parents
 from test_ops_verify import backend_parity_cases, final_draw_cases, seeds
 
-from specdecode import SpeculativeDecoder, ops
+from specdecode import _C, SpeculativeDecoder, ops
 
 _BUILT_BY_DEFAULT = sys.platform.startswith("linux") and os.environ.get(
     "SPECDECODE_CUDA_EMU", "ON"
@@ -241,6 +241,19 @@ def test_mma_multiplies_the_fragments_of_the_ptx_layout(dtype):
     assert (d.double() - want).abs().max().item() < 1e-5
     # Transposed halves or swapped rows would not pass: the product is not symmetric.
     assert (d.double() - (a.double().T @ b.double())).abs().max().item() > 0.1
+
+
+def test_16bit_conversion_kernels_equal_the_host():
+    """cuda/halves.cu's kernels (on the emulator: host_device.h's bit code, as on the CPU) cover
+    every element of a grid whose size is not a multiple of the block's."""
+    cases = ((all_halves()[:4465], torch.float32), (floats_around_halves(), torch.float16))
+    for src, dtype in cases:
+        host = torch.empty(src.shape, dtype=dtype)
+        _C.convert_16bit(src, host)
+        emulated = torch.full(src.shape, 7.0, dtype=dtype)
+        emu.convert_16bit(src, emulated)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(emulated.view(bits), host.view(bits))
 
 
 def test_stats_count_the_work():

@@ -559,6 +559,64 @@ def test_library_ops_registered():
     assert out.shape == (2, 4, 4, 64) and lse.shape == (2, 4, 4)
 
 
+# ---- 16-bit floats -------------------------------------------------------------------------
+
+
+def all_halves() -> torch.Tensor:
+    """Every fp16 bit pattern, as a float16 tensor [65536]."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+
+
+def floats_around_halves() -> torch.Tensor:
+    """float32 values at and around fp16 values, both signs: every finite half, the points
+    halfway between neighbours (ties round to even; halfway past 65504 is the overflow edge,
+    halfway below the smallest subnormal the underflow edge) and a float's ulp either side of
+    them, tiny and huge floats, +-0, +-inf and NaNs with several payloads."""
+    patterns = torch.arange(0, 0x7C00, dtype=torch.int32)
+    lo = patterns.to(torch.int16).view(torch.float16).double()
+    hi = (patterns + 1).to(torch.int16).view(torch.float16).double()
+    hi[-1] = 65536.0  # the next binade's first value, as if fp16 went on
+    mids = ((lo + hi) / 2).float()  # 12 significant bits: exact in float32
+    inf = torch.tensor(float("inf"))
+    around = torch.cat([lo.float(), mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf)])
+    extremes = torch.tensor([1e-40, 1e-30, 1e30, 3e38, float("inf")], dtype=torch.float32)
+    x = torch.cat([around, extremes])
+    nans = torch.tensor([0x7FC00000, 0x7F800001, 0xFFC01234 - 2**32, 0x7FFFFFFF], dtype=torch.int32)
+    return torch.cat([x, -x, nans.view(torch.float32)])
+
+
+def test_16bit_conversions_match_torch_bit_for_bit():
+    """The kernels' fp16 conversions (host_device.h's bit code on the CPU) against torch's: every
+    half pattern widened exactly, floats at and around every half (ties, the overflow and
+    underflow edges) rounded to nearest even; NaN stays NaN with the half's payload kept."""
+    halves = all_halves()
+    wide = torch.empty(halves.shape, dtype=torch.float32)
+    _C.convert_16bit(halves, wide)
+    want = halves.float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(wide), nan)
+    assert torch.equal(wide[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    payload = halves.view(torch.int16).to(torch.int32) & 0x3FF
+    assert torch.equal(wide[nan].view(torch.int32) >> 13 & 0x3FF, payload[nan])
+
+    x = floats_around_halves()
+    narrow = torch.empty(x.shape, dtype=torch.float16)
+    _C.convert_16bit(x, narrow)
+    want = x.half()
+    nan = torch.isnan(x)
+    assert torch.equal(torch.isnan(narrow), nan)
+    assert torch.equal(narrow[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def test_16bit_conversion_checks_its_arrays():
+    with pytest.raises(TypeError, match="src"):
+        _C.convert_16bit(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4))
+    with pytest.raises(TypeError, match="out"):
+        _C.convert_16bit(torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out"):
+        _C.convert_16bit(torch.zeros(4), torch.zeros(5, dtype=torch.float16))
+
+
 # ---- CUDA --------------------------------------------------------------------------------
 
 
@@ -611,6 +669,21 @@ def test_cuda_kernel_choice(dtype):
     mma = dtype != torch.float32 and torch.cuda.get_device_capability() >= (8, 0)
     assert ("attend_mma_kernel" in names) == mma, names
     assert ("attend_kernel" in names) == (not mma), names
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_16bit_conversions_equal_the_host_bit_for_bit():
+    """On the GPU the conversions are cvt instructions (NaN aside): the same bits as the host's
+    code for every half pattern and for floats at and around every half, NaNs included."""
+    stream = torch.cuda.current_stream().cuda_stream
+    for src, dtype in ((all_halves(), torch.float32), (floats_around_halves(), torch.float16)):
+        host = torch.empty(src.shape, dtype=dtype)
+        _C.convert_16bit(src, host)
+        dev = torch.empty(src.shape, dtype=dtype, device="cuda")
+        _C.convert_16bit(src.cuda(), dev, stream)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(dev.cpu().view(bits), host.view(bits))
 
 
 def test_in_cache_variant_equals_the_op():

@@ -33,6 +33,7 @@ PYBIND11_MODULE(_cuda_emu, m) {
   sd::register_tree_ops(m);
   sd::register_attention_ops(m);
   sd::register_verify_ops(m);
+  sd::register_host_device_ops(m);
 
   m.def(
       "set_schedule",

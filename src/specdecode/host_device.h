@@ -70,7 +70,8 @@ SD_HD_INLINE uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-SD_HD_INLINE float half_to_float(uint16_t h) {
+// The host's conversion, also the device's reference: every bit pattern, NaN payloads kept.
+SD_HD_INLINE float half_to_float_bits(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -86,8 +87,22 @@ SD_HD_INLINE float half_to_float(uint16_t h) {
   return bits_to_float(sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13));
 }
 
+// On the device one cvt instruction, exact like the bit code above for every pattern but NaN,
+// which takes the bit code's result (the instruction's NaN payload is not specified to match).
+// The bit code's branches and subnormal loop cost the CUDA kernels a dozen instructions per
+// element, more where a warp's lanes take different branches.
+SD_HD_INLINE float half_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return (h & 0x7fffu) > 0x7c00u ? half_to_float_bits(h) : f;
+#else
+  return half_to_float_bits(h);
+#endif
+}
+
 // Round to nearest even, with overflow to inf and gradual underflow.
-SD_HD_INLINE uint16_t float_to_half(float f) {
+SD_HD_INLINE uint16_t float_to_half_bits(float f) {
   const uint32_t bits = float_to_bits(f);
   const uint32_t sign = (bits >> 16) & 0x8000u;
   const uint32_t abs = bits & 0x7fffffffu;
@@ -109,6 +124,18 @@ SD_HD_INLINE uint16_t float_to_half(float f) {
   const uint32_t rem = mant & 0x1fffu;
   if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // may carry into the exponent: correct
   return static_cast<uint16_t>(sign | h);
+}
+
+// On the device cvt.rn.f16.f32: the same rounding, overflow and underflow as the bit code above
+// (IEEE round to nearest even) in one instruction; NaN takes the bit code's quiet NaN.
+SD_HD_INLINE uint16_t float_to_half(float f) {
+#if defined(__CUDA_ARCH__)
+  uint16_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return (float_to_bits(f) & 0x7fffffffu) > 0x7f800000u ? float_to_half_bits(f) : h;
+#else
+  return float_to_half_bits(f);
+#endif
 }
 
 }  // namespace sd
