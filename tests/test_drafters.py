@@ -443,3 +443,23 @@ def test_combined_cacheback_and_model_drafter_greedy_equals_the_target():
     out = generate(target, prompts, drafter=d, max_new_tokens=12, temperature=0.0)
     assert out.sequences == [greedy_reference(target, p, 12) for p in prompts]
     assert d.counts["primary"] > 0 and d.counts["fallback"] > 0, d.counts
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_combined_drafter_near_the_draft_context_end_equals_the_target(mode):
+    """Every cache row of the fallback takes part in its passes, padded to their width: rows
+    the primary drafts for sit out holding many tokens, a short row catches up on several at
+    once. Near the end of the draft model's context such a pass overflowed its cache ("max_length
+    exceeded"); the fallback now drafts only as deep as every row has room for."""
+    from reference_engine import greedy_reference, tiny_transformer
+    from specdecode.drafters import CombinedDrafter, ModelDrafter
+    from specdecode.engine import generate
+
+    target = tiny_transformer(seed=1, max_length=64)
+    draft = tiny_transformer(seed=2, layers=1, max_length=64)
+    prompts = [[14, 51, 19], [16, 34], [52, 46]]
+    fallback = ModelDrafter(draft, mode=mode, k=3 if mode == "tree" else 4)
+    d = CombinedDrafter(CachebackDrafter(max_sequences=8), fallback)
+    out = generate(target, prompts, drafter=d, max_new_tokens=61, max_nodes=64)
+    assert out.sequences == [greedy_reference(target, p, 61) for p in prompts]
+    assert d.counts["primary"] > 0 and d.counts["fallback"] > 0, d.counts

@@ -624,14 +624,27 @@ class ModelDrafter:
         return logits[torch.tensor(slots, device=logits.device)]
 
     def _room(self, slots: list[int], per_depth: int) -> int:
-        """Draft depth whose forward passes fit every slot's cache row and position range.
+        """Draft depth whose forward passes fit every cache row and position range (0: no pass).
 
-        The widest pass holds the root plus ``per_depth`` nodes per depth on top of the
-        committed prefix (a chain adds one node per depth, a tree pass up to ``beam``).
+        The drafted rows grow by the root plus ``per_depth`` nodes per depth on top of the
+        committed prefix (a chain adds one node per depth, a tree pass up to ``beam``). Every
+        cache row takes part in each pass, padded to its width (``_forward_rows``), so the rows
+        with the most tokens held, drafted this time or not, need room for the widest pass: the
+        catch-up, as wide as the most committed tokens a slot has not fed, and a tree pass at
+        depth ``d`` (the root and up to ``per_depth`` nodes per depth, fed after the root is
+        taken back).
         """
         longest = max(len(self._seq[s]) for s in slots)
-        room = (self.max_length - longest) // per_depth
-        return max(0, min(self.k, room))
+        depth = max(0, min(self.k, (self.max_length - longest) // per_depth))
+        held = max(len(fed) for fed in self._fed.values())  # the cache's longest row
+        pending = max(len(self._seq[s]) - len(self._fed[s]) for s in slots)
+        if held + pending > self.max_length:
+            return 0
+        if per_depth > 1:
+            base = max(held, longest - 1)
+            while depth > 1 and base + 1 + (depth - 1) * per_depth > self.max_length:
+                depth -= 1
+        return depth
 
     def _catch_up(self, slots: list[int]) -> torch.Tensor:
         """Feeds each slot's committed tokens missing from its cache, the root included;
