@@ -425,6 +425,22 @@ def test_bad_scale():
         ops.tree_attention(q, k, v, lens, mask, scale=float("nan"))
     with pytest.raises(TypeError, match="scale"):
         ops.tree_attention(q, k, v, lens, mask, scale="1")
+    # Finite, but past float32 once multiplied by log2(e): the scores would be NaN.
+    with pytest.raises(ValueError, match="scale"):
+        ops.tree_attention(q, k, v, lens, mask, scale=-1e38 * 2.4)
+    ops.tree_attention(q, k, v, lens, mask, scale=2.3e38)
+    from specdecode._ops.attention import tree_attention_in_cache
+
+    # The model's variant checks its arguments the same way.
+    for bad in (float("inf"), 3e38):
+        with pytest.raises(ValueError, match="scale"):
+            tree_attention_in_cache(q, k, v, lens, mask, bad)
+
+
+def test_head_dim_zero_is_a_value_error_with_the_default_scale():
+    q, k, v, lens, _ = make_case(1, 2, 2, 1, 32, [2], torch.float32)
+    with pytest.raises(ValueError, match="D|head"):
+        ops.tree_attention(q[..., :0], k[..., :0], v[..., :0], lens)
 
 
 def test_cuda_data_in_cpu_build_or_mixed_devices():

@@ -41,13 +41,21 @@ def _check_tensor(x: object, name: str) -> torch.Tensor:
     return x.detach() if x.requires_grad else x
 
 
+# The kernels scale scores by scale * log2(e) in float32 (exp2 in the softmax).
+_MAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
+
+
 def _default_scale(scale: Optional[float], head_dim: int) -> float:
     if scale is None:
-        return 1.0 / math.sqrt(head_dim)
+        # D < 1 is the kernel checks' to report (with the supported head dims).
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite float, got {scale}")
+    if not math.isfinite(scale) or abs(scale) > _MAX_SCALE:
+        raise ValueError(
+            f"scale: expected a finite float of magnitude <= {_MAX_SCALE:.3g} (float32 after "
+            f"the kernels' factor log2(e)), got {scale}"
+        )
     return float(scale)
 
 
@@ -144,6 +152,7 @@ def tree_attention_in_cache(
     that breaks the invariant gets an unspecified output instead of an error. Under
     ``torch.compile`` the checked op is traced instead.
     """
+    scale = _default_scale(scale, q.shape[-1])
     if torch.compiler.is_compiling():
         return torch.ops.specdecode.tree_attention(
             q, k_cache, v_cache, prefix_lens, tree_mask, scale
@@ -194,8 +203,12 @@ def tree_attention(
         uint32 ``[B, T, ceil(T / 32)]``, contiguous: bit ``j % 32`` of word ``j // 32`` in row
         ``i`` makes node ``j`` visible from node ``i``. Bits at ``j >= T`` are ignored. ``None``
         means a causal chain (node ``i`` sees nodes ``0..i``); ``T = 1`` is plain decoding.
+        The K/V rows of all ``T`` nodes are read: as with a dense masked softmax, an inf or NaN
+        in the V row of a node may reach rows whose mask hides it (``0 * inf``), so a padding
+        node's K/V must be finite (a model's forward pass writes them like any node's).
     scale : float, optional
-        Multiplies the scores ``q . k``; default ``1 / sqrt(D)``.
+        Multiplies the scores ``q . k``; default ``1 / sqrt(D)``. Finite, ``|scale| <=
+        2.36e38`` (float32 once multiplied by ``log2(e)``).
     return_lse : bool
         Also return the log-sum-exp of the scaled scores of each query row.
 
@@ -217,10 +230,10 @@ def tree_attention(
     TypeError
         A dtype is wrong or ``q``, ``k_cache``, ``v_cache`` disagree in dtype.
     ValueError
-        Shapes disagree, ``Hq`` is not a multiple of ``Hkv``, ``T`` or ``D`` unsupported, the
-        mask has the wrong width, arrays are on different devices, or a ``prefix_lens`` entry is
-        negative or leaves no room for the ``T`` tree nodes (checked on the device; on CUDA this
-        check synchronises).
+        ``scale`` is out of range, shapes disagree, ``Hq`` is not a multiple of ``Hkv``, ``T``
+        or ``D`` unsupported, the mask has the wrong width, arrays are on different devices, or
+        a ``prefix_lens`` entry is negative or leaves no room for the ``T`` tree nodes (checked
+        on the device; on CUDA this check synchronises).
     """
     q = _check_tensor(q, "q")
     k_cache = _check_tensor(k_cache, "k_cache")
