@@ -567,6 +567,57 @@ def test_lossy_method_runs_and_is_exposed(target, draft_model):
     assert math.isfinite(out.stats.tokens_per_second)
 
 
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("relaxed", {"eps": 0.2}),
+        ("relaxed", {"eps": 0.0, "correction": "target"}),
+        ("topk_accept", {"topk_accept": 3}),
+        ("typical", {"eps": 0.05, "alpha": 0.2}),
+    ],
+)
+def test_generate_takes_the_lossy_methods_options(method, options, target, draft_model, references):
+    """generate() passes the options on; at temperature 0 every method verifies greedily."""
+    prompts, want = references
+    prompts, want = prompts[:2], [w[:8] for w in want[:2]]
+    drafter = ModelDrafter(draft_model)
+    out = generate(target, prompts, drafter=drafter, max_new_tokens=8, method=method, **options)
+    assert out.sequences == want
+    sampled = generate(
+        target,
+        prompts,
+        drafter=drafter,
+        max_new_tokens=8,
+        method=method,
+        temperature=1.0,
+        seed=3,
+        **options,
+    )
+    assert [len(s) for s in sampled.sequences] == [8, 8]
+
+
+@pytest.mark.parametrize(
+    "method,options,match",
+    [
+        ("relaxed", {}, "eps"),
+        ("relaxed", {"eps": -1.0}, "eps"),
+        ("relaxed", {"eps": 0.1, "correction": "nope"}, "correction"),
+        ("topk_accept", {}, "topk_accept"),
+        ("topk_accept", {"topk_accept": 0}, "topk_accept"),
+        ("typical", {"eps": 2.0}, "eps"),
+        ("exact", {"eps": 0.1}, "eps: method='exact' does not use it"),
+        ("typical", {"topk_accept": 2}, "topk_accept"),
+    ],
+)
+def test_lossy_options_are_checked_before_any_work(method, options, match, target):
+    counted = Counting(target)
+    with pytest.raises(ValueError, match=match):
+        SpeculativeDecoder(counted, method=method, **options)
+    with pytest.raises(ValueError, match=match):
+        generate(counted, prompts_for(1), max_new_tokens=2, method=method, **options)
+    assert counted.calls == []
+
+
 def test_package_exports():
     for name in ("models", "drafters", "engine", "generate", "SpeculativeDecoder"):
         assert hasattr(specdecode, name) and name in specdecode.__all__

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from . import ops
+from ._ops.verify import method_options
 from .drafters import Drafter, NoDrafter, _host_int32
 
 __all__ = [
@@ -43,6 +44,14 @@ __all__ = [
 ]
 
 _METHODS = ("exact", "greedy", "typical", "relaxed", "topk_accept")
+# The options of ops.verify each method reads.
+_METHOD_OPTIONS = {
+    "exact": (),
+    "greedy": (),
+    "typical": ("eps", "alpha"),
+    "relaxed": ("eps", "correction"),
+    "topk_accept": ("topk_accept",),
+}
 
 
 @dataclasses.dataclass
@@ -924,6 +933,22 @@ def _time_forwards(target: Any, cache: Any, sizes: Sequence[int]) -> dict[int, f
     return out
 
 
+def _check_verify_options(method: str, options: dict[str, Any]) -> None:
+    """The lossy methods' options, checked before any work: each must be one the method reads,
+    with the ranges :func:`specdecode.ops.verify` takes."""
+    for name in options:
+        if name not in _METHOD_OPTIONS[method]:
+            users = [m for m, names in _METHOD_OPTIONS.items() if name in names]
+            raise ValueError(
+                f"{name}: method={method!r} does not use it (it is an option of "
+                f"{' and '.join(repr(m) for m in users)})"
+            )
+    method_options(method, options.get("eps"), options.get("alpha"), options.get("topk_accept"))
+    correction = options.get("correction", "residual")
+    if correction not in ("residual", "target"):
+        raise ValueError(f"correction: expected 'residual' or 'target', got {correction!r}")
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a target model with a drafter, for batches of prompts.
 
@@ -949,7 +974,9 @@ class SpeculativeDecoder:
         (:class:`AdaptiveBudget`) or one per row (:class:`CostAwareBudget`); None: every step
         may use ``max_nodes`` nodes.
     **verify_options
-        ``eps``, ``alpha``, ``topk_accept``, ``correction`` for the lossy methods.
+        ``eps``, ``alpha``, ``topk_accept``, ``correction`` for the lossy methods (see
+        :func:`specdecode.ops.verify`), checked here: an option the method does not read, or
+        one out of range, raises ValueError.
     """
 
     def __init__(
@@ -982,6 +1009,7 @@ class SpeculativeDecoder:
         unknown = set(verify_options) - {"eps", "alpha", "topk_accept", "correction"}
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+        _check_verify_options(method, verify_options)
         drafter_vocab = getattr(drafter, "vocab_size", None)
         if drafter_vocab is not None and int(drafter_vocab) != int(target.vocab_size):
             raise ValueError(
@@ -1689,6 +1717,7 @@ def generate(
     progress: bool = False,
     on_step: Optional[Callable[[int, list[int]], Any]] = None,
     budget: Optional[AdaptiveBudget] = None,
+    **verify_options: Any,
 ) -> GenerationOutput:
     """Generates with speculative decoding in one call (see :class:`SpeculativeDecoder`).
 
@@ -1704,6 +1733,9 @@ def generate(
         As in :meth:`SpeculativeDecoder.generate`.
     method, max_nodes, progress, budget
         As in :class:`SpeculativeDecoder`.
+    **verify_options
+        ``eps``, ``alpha``, ``topk_accept``, ``correction`` for the lossy methods, as in
+        :class:`SpeculativeDecoder`.
 
     Returns
     -------
@@ -1711,7 +1743,13 @@ def generate(
         Generated tokens per prompt, finish reasons and :class:`GenerationStats`.
     """
     decoder = SpeculativeDecoder(
-        model, drafter, method=method, max_nodes=max_nodes, progress=progress, budget=budget
+        model,
+        drafter,
+        method=method,
+        max_nodes=max_nodes,
+        progress=progress,
+        budget=budget,
+        **verify_options,
     )
     return decoder.generate(
         prompts,

@@ -508,6 +508,35 @@ def _sampling_probs_fake(logits, temperature, top_k, top_p, is_logits):
 # ---- public API ----------------------------------------------------------------------------------
 
 
+def method_options(
+    method: str, eps: Optional[float], alpha: Optional[float], topk_accept: Optional[int]
+) -> tuple[float, float, int]:
+    """``(eps, alpha, K)`` of a verification method, its defaults filled in and its ranges
+    checked (ValueError); 0 where the method has no such option. Shared by :func:`verify` and
+    the engine, which checks its options before any work."""
+    eps_v, alpha_v, k_v = 0.0, 0.0, 0
+    if method == "typical":
+        eps_v = 0.09 if eps is None else float(eps)
+        alpha_v = 0.3 if alpha is None else float(alpha)
+        if not (0 <= eps_v <= 1 and alpha_v >= 0 and np.isfinite(alpha_v)):
+            raise ValueError(f"eps, alpha: expected 0 <= eps <= 1, alpha >= 0, got {eps}, {alpha}")
+    elif method == "relaxed":
+        if eps is None:
+            raise ValueError("eps: method='relaxed' needs eps >= 0 (the acceptance slack)")
+        eps_v = float(eps)
+        if not (eps_v >= 0 and np.isfinite(eps_v)):
+            raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
+    elif method == "topk_accept":
+        if not isinstance(topk_accept, (int, np.integer)) or isinstance(topk_accept, bool):
+            raise ValueError(
+                f"topk_accept: method='topk_accept' needs an int K >= 1, got {topk_accept!r}"
+            )
+        if not 1 <= topk_accept < 2**31:
+            raise ValueError(f"topk_accept: expected K >= 1, got {topk_accept}")
+        k_v = int(topk_accept)
+    return eps_v, alpha_v, k_v
+
+
 def verify(
     target: Any,
     tokens: Any,
@@ -554,7 +583,10 @@ def verify(
         float32/float16/bfloat16 ``[B, N, V]``, contiguous: row ``[b, i]`` is the distribution
         ``q`` the drafter sampled node ``i``'s children from (siblings sampled without
         replacement). None: the children were chosen deterministically (n-gram, top-k, argmax).
-        A drafted token with ``q(x) = 0`` is accepted iff ``p(x) > 0`` (``u * q(x) < p(x)``),
+        Each row is used as given, not rescaled: it must sum to 1 (to within its dtype's
+        rounding), or the output's distribution leaves the target's (the acceptance test
+        ``min(1, p(x) / q(x))`` and the residual ``max(p - q, 0)`` read ``q`` as it is). A
+        drafted token with ``q(x) = 0`` is accepted iff ``p(x) > 0`` (``u * q(x) < p(x)``),
         i.e. treated as an infinitely unlikely draft.
     draft_deterministic : bool or array-like [B], optional
         bool (or uint8) per sequence, only with ``draft_probs``: True where the sequence's
@@ -611,7 +643,11 @@ def verify(
     check : bool
         Raise ValueError for invalid trees, out-of-range tokens or a too small ``max_depth``
         after the call (a device sync on a GPU). With False these only show in ``status``
-        (bits 16, 32, 64, 128) and the row emits nothing.
+        (bits 16, 32, 64, 128) and the row emits nothing. Trees and tokens are checked whole;
+        ``max_depth`` and the limit of ``MAX_SIBLINGS`` children per node only where the walk
+        goes (a node's children are counted as they are tried), so a tree that breaks them
+        raises when its walk reaches that depth or tries that many children, which depends on
+        the draws.
 
     Returns
     -------
@@ -684,26 +720,7 @@ def verify(
     offset_t = _per_sequence(offset, "offset", batch, torch.int64, device, -(2**63), 2**63 - 1)
 
     code = _METHODS[method]
-    eps_v, alpha_v, k_v = 0.0, 0.0, 0
-    if method == "typical":
-        eps_v = 0.09 if eps is None else float(eps)
-        alpha_v = 0.3 if alpha is None else float(alpha)
-        if not (0 <= eps_v <= 1 and alpha_v >= 0 and np.isfinite(alpha_v)):
-            raise ValueError(f"eps, alpha: expected 0 <= eps <= 1, alpha >= 0, got {eps}, {alpha}")
-    elif method == "relaxed":
-        if eps is None:
-            raise ValueError("eps: method='relaxed' needs eps >= 0 (the acceptance slack)")
-        eps_v = float(eps)
-        if not (eps_v >= 0 and np.isfinite(eps_v)):
-            raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
-    elif method == "topk_accept":
-        if not isinstance(topk_accept, (int, np.integer)) or isinstance(topk_accept, bool):
-            raise ValueError(
-                f"topk_accept: method='topk_accept' needs an int K >= 1, got {topk_accept!r}"
-            )
-        if not 1 <= topk_accept < 2**31:
-            raise ValueError(f"topk_accept: expected K >= 1, got {topk_accept}")
-        k_v = int(topk_accept)
+    eps_v, alpha_v, k_v = method_options(method, eps, alpha, topk_accept)
     if max_depth is None:
         if parents_t is None:
             max_depth = n - 1
