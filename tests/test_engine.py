@@ -494,6 +494,9 @@ def test_bad_requests_raise_before_any_work(target, draft_model):
         ([[3]], {"top_p": 0.0}, ValueError, "top_p"),
         ([[3], [4]], {"seed": [1]}, ValueError, "seed"),
         ([[3]], {"stop_token_ids": [V + 5]}, ValueError, "stop_token_ids"),
+        ([[3]], {"stop_token_ids": torch.tensor([V])}, ValueError, "stop_token_ids"),
+        ([[3], [4]], {"seed": 2**63 - 1}, ValueError, "seed: row 1's seed"),
+        ([[3]], {"seed": [2**70]}, ValueError, "seed"),
     ]
     for prompts, kwargs, exc, match in cases:
         kwargs = {"max_new_tokens": 4, **kwargs}
@@ -544,6 +547,21 @@ def test_bad_sampled_proposals_raise(target):
     good = BadSampledDrafter(deterministic=lambda b: torch.ones(b, dtype=torch.bool))
     out = generate(target, prompts_for(2), drafter=good, max_new_tokens=3, temperature=1.0)
     assert all(len(s) == 3 for s in out.sequences)
+
+
+def test_numpy_scalars_tensors_and_a_single_stop_id_are_taken(target, references):
+    """Arguments as they come from numpy, torch or a tokenizer's eos_token_id (an int)."""
+    prompts, want = references
+    stop = want[0][3]
+    cut = want[0][: want[0].index(stop) + 1]
+    for stops in (stop, np.int64(stop), torch.tensor([stop]), np.array([stop])):
+        out = generate(target, prompts[:1], max_new_tokens=np.int64(16), stop_token_ids=stops)
+        assert out.sequences == [cut]
+    out = generate(
+        target, prompts[:2], max_new_tokens=4, temperature=np.float32(1.0), seed=np.int64(5)
+    )
+    again = generate(target, prompts[:2], max_new_tokens=4, temperature=1.0, seed=5)
+    assert out.sequences == again.sequences
 
 
 def test_generation_runs_to_the_models_max_length():

@@ -182,7 +182,7 @@ def _per_row(value: Any, name: str, batch: int, kind: type) -> list:
         items = [value] * batch
     out = []
     for v in items:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.number)):
             raise TypeError(f"{name}: expected a number or one per prompt, got {v!r}")
         if kind is int and not float(v).is_integer():
             raise TypeError(f"{name}: expected ints, got {v!r}")
@@ -1061,7 +1061,7 @@ class SpeculativeDecoder:
                     f"[0, {vocab})"
                 )
             rows.append([int(t) for t in row])
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
             raise TypeError(f"max_new_tokens: expected an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
@@ -1073,6 +1073,10 @@ class SpeculativeDecoder:
                 f"tokens exceeds the target's max length {limit}"
             )
         stops = set()
+        if isinstance(stop_token_ids, (torch.Tensor, np.ndarray)):
+            stop_token_ids = stop_token_ids.tolist()
+        if isinstance(stop_token_ids, (int, np.integer)) and not isinstance(stop_token_ids, bool):
+            stop_token_ids = [stop_token_ids]  # one id, as transformers' eos_token_id may be
         for t in stop_token_ids or ():
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab})")
@@ -1115,7 +1119,7 @@ class SpeculativeDecoder:
             Philox key per sequence: an int gives row ``b`` the key ``seed + b``; a list sets each
             row's key (a row's tokens then do not depend on the rest of the batch). None draws a
             random seed.
-        stop_token_ids : iterable of int, optional
+        stop_token_ids : int or iterable of int, optional
             Tokens (e.g. EOS) that end a sequence; the stop token is part of the output.
         on_step : callable ``(row, new_tokens)``, optional
             Called after every step, in row order, for each sequence that committed tokens in it:
@@ -1138,6 +1142,7 @@ class SpeculativeDecoder:
         """
         t_wall = time.perf_counter()
         rows, stops = self._check_request(prompts, max_new_tokens, stop_token_ids)
+        max_new_tokens = int(max_new_tokens)  # numpy ints included (checked above)
         batch = len(rows)
         temps = _per_row(temperature, "temperature", batch, float)
         top_ks = _per_row(top_k, "top_k", batch, int)
@@ -1157,6 +1162,12 @@ class SpeculativeDecoder:
         else:
             seeds = [int(s) for s in _per_row(seed, "seed", 1, int)]
             seeds = [seeds[0] + b for b in range(batch)]
+        for b, s in enumerate(seeds):
+            if not -(2**63) <= s < 2**63:
+                raise ValueError(
+                    f"seed: row {b}'s seed {s} is outside int64 (one int seed gives row b the "
+                    "seed seed + b)"
+                )
         state = _Batch(
             tokens=[list(r) for r in rows],
             prompt_lens=[len(r) for r in rows],
