@@ -157,6 +157,17 @@ def test_chain_parents():
         ops.chain_parents(-1, 2)
     with pytest.raises(ValueError, match="k"):
         ops.chain_parents(1, 2.5)
+    assert ops.chain_parents(np.int64(2), np.int32(3)).tolist() == [[-1, 0, 1, 2]] * 2
+
+
+def test_tree_paths_of_an_empty_batch_and_numpy_sizes():
+    """B = 0 works as in tree_info and verify; sizes may be numpy ints."""
+    empty = ops.tree_paths(torch.zeros((0, 5), dtype=torch.int32))
+    assert empty.shape[0] == 0 and empty.dtype == torch.int32
+    parents = torch.tensor([[-1, 0, 0, 1]], dtype=torch.int32)
+    want = ops.tree_paths(parents)
+    got = ops.tree_paths(parents, max_paths=np.int64(2), path_len=np.int32(3))
+    assert torch.equal(got, want)
 
 
 # ---- invalid trees ---------------------------------------------------------------------------

@@ -169,12 +169,13 @@ def tree_paths(
     if max_paths is None or path_len is None:
         _C.tree_paths(parents, info.depth, info.num_nodes, None, num_paths, status, stream)
         if max_paths is None:
-            max_paths = int(num_paths.max()) if batch else 0
+            max_paths = int(num_paths.max()) if batch else 1
         if path_len is None:
             path_len = int(info.depth.max()) + 1 if batch else 1
     for name, value in (("max_paths", max_paths), ("path_len", path_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    max_paths, path_len = int(max_paths), int(path_len)
     paths = empty((batch, max_paths, path_len), torch.int32, device)
     _C.tree_paths(parents, info.depth, info.num_nodes, paths, num_paths, status, stream)
     bad = np.flatnonzero(status.cpu().numpy())
@@ -205,8 +206,9 @@ def chain_parents(batch: int, k: int, *, device: torch.device | str | None = Non
         int32 ``[B, k + 1]``, every row ``[-1, 0, 1, ..., k - 1]``.
     """
     for name, value in (("batch", batch), ("k", k)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    batch, k = int(batch), int(k)
     if k + 1 > MAX_TREE_NODES:
         raise ValueError(f"k: a chain has at most {MAX_TREE_NODES - 1} drafts, got {k}")
     row = torch.arange(-1, k, dtype=torch.int32, device=device)
