@@ -600,7 +600,9 @@ def verify(
         Per sequence; temperature ``>= 0`` (0 = greedy: ``method`` is then ``"greedy"`` for that
         sequence), top_k ``>= 0`` (0 = off), top_p in ``(0, 1]`` (1 = off). With probability
         inputs the temperature must be 0 or 1. Device arrays are not range-checked (that would
-        sync); the kernel treats a temperature <= 0 as greedy and top_k <= 0 or >= V as off.
+        sync); the kernel treats a temperature <= 0 as greedy and top_k <= 0 or >= V as off. A
+        temperature so small that ``logits / temperature`` leaves float32 (e.g. ``1e-38``) sets
+        :data:`STATUS_NON_FINITE` for the row, as a +Inf logit would: use 0 for greedy.
     seed, offset : int or array-like [B]
         Philox key and counter offset per sequence (int32/int64; may live on the device).
     method : str
