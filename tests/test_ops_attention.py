@@ -547,6 +547,25 @@ def test_compact_kv_bad_arguments():
         ops.compact_kv(k, v, torch.tensor([-1, 0], dtype=torch.int32), path, acc)
 
 
+def test_compact_kv_tells_autograd_it_wrote_in_place():
+    """A cache saved for a backward pass fails autograd's version check after compact_kv, as
+    after any in-place torch op; caches that require grad are refused (no backward)."""
+    _, k, v, _, _ = make_case(1, 4, 2, 1, 64, 4)
+    lens = torch.tensor([4], dtype=torch.int32)
+    path, acc = torch.tensor([[0, 2]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    w = torch.randn(k.shape, requires_grad=True)
+    loss = (w * k).sum()  # saves k for w's gradient
+    before = (k._version, v._version)
+    ops.compact_kv(k, v, lens, path, acc)
+    assert k._version > before[0] and v._version > before[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="no backward"):
+        ops.compact_kv(k.clone().requires_grad_(), v, lens, path, acc)
+    with torch.no_grad():
+        ops.compact_kv(k.clone().requires_grad_(), v, lens, path, acc)
+
+
 # ---- torch.compile -----------------------------------------------------------------------
 
 

@@ -301,6 +301,11 @@ def _compact_kv_impl(
     _C.compact_kv(
         k_cache, v_cache, prefix_lens, path, num_accepted, new_lens, status, stream_of(device)
     )
+    # Written behind autograd's back: a tensor saved for a backward pass now fails its version
+    # check there, as after any in-place torch op.
+    torch.autograd.graph.increment_version(k_cache)
+    if v_cache.data_ptr() != k_cache.data_ptr():
+        torch.autograd.graph.increment_version(v_cache)
     _raise_compact_errors(status, path, num_accepted, prefix_lens, k_cache.shape[1])
     return new_lens
 
@@ -346,7 +351,17 @@ def compact_kv(
         Shapes or devices disagree, or a row's path is not strictly increasing, has a negative
         node, or points outside the cache; then nothing is moved (on CUDA this check
         synchronises).
+    RuntimeError
+        A cache requires grad while grad mode is on: the move has no backward. (Like any
+        in-place op, the move bumps the caches' version counters, so a backward pass that saved
+        them fails autograd's check instead of using moved values.)
     """
+    for cache in (k_cache, v_cache):
+        if isinstance(cache, torch.Tensor) and cache.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(
+                "compact_kv: moves K/V rows in place and has no backward; give it caches that "
+                "do not require grad (under torch.no_grad(), or .detach()ed)"
+            )
     k_cache = _check_tensor(k_cache, "k_cache")
     v_cache = _check_tensor(v_cache, "v_cache")
     prefix_lens = _check_tensor(prefix_lens, "prefix_lens")
