@@ -205,6 +205,17 @@ def test_progress_bar_counts_and_clamps():
     assert bar.count == 10
 
 
+def test_progress_bar_blanks_what_a_longer_label_left():
+    stream = io.StringIO()
+    bar = cli.ProgressBar(10, "prompt 1/5, Cacheback + draft model (chain, k=3)", stream=stream)
+    bar.update(1)
+    long_line = stream.getvalue().split("\r")[-1]
+    bar.update(9, "prompt 2/5, autoregressive")
+    short_line = stream.getvalue().split("\r")[-1]
+    assert len(short_line) >= len(long_line)
+    assert short_line.rstrip().endswith("prompt 2/5, autoregressive")
+
+
 # ---- generate -----------------------------------------------------------------------------------
 
 
@@ -346,6 +357,8 @@ def _one_clean_line(code: int, err: str) -> str:
         (["demo", "--repeats", "0"], "--repeats: expected an integer >= 1"),
         (["demo", "--model", "nosuchpair"], "unknown zoo model 'nosuchpair'"),
         (["bogus"], "invalid choice: 'bogus'"),
+        # Undecodable bytes of a command line arrive as lone surrogates.
+        (["generate", "a\udcffb", "--max-new-tokens", "2"], "text: not valid Unicode"),
     ],
 )
 def test_bad_arguments_fail_with_one_line(argv, expected, capsys):

@@ -157,6 +157,8 @@ def test_tokenizer_validates(tok):
         tok.encode(b"bytes")
     with pytest.raises(ValueError, match="text"):
         tok.encode("a" + SP_WHITESPACE)
+    with pytest.raises(ValueError, match="text: not valid Unicode at character 1"):
+        tok.encode("a\udcffb")
     with pytest.raises(ValueError, match="ids"):
         tok.decode([tok.vocab_size])
     with pytest.raises(ValueError, match="ids"):

@@ -441,6 +441,7 @@ class ProgressBar:
         self.stream = stream if stream is not None else sys.stderr
         self.start = time.perf_counter()
         self._drawn = 0.0
+        self._width = 0  # characters of the last line drawn
 
     def update(self, n: int, label: Optional[str] = None) -> None:
         self.count = min(self.count + int(n), self.total)
@@ -454,9 +455,10 @@ class ProgressBar:
         width = 24
         filled = width * self.count // self.total
         bar = "#" * filled + "." * (width - filled)
-        self.stream.write(
-            f"\r[{bar}] {self.count}/{self.total} tokens {now - self.start:5.1f}s {self.label:<28}"
-        )
+        line = f"[{bar}] {self.count}/{self.total} tokens {now - self.start:5.1f}s {self.label}"
+        # Blanks over whatever a longer earlier line left past this one's end.
+        self.stream.write(f"\r{line:<{self._width}}")
+        self._width = len(line)
         self.stream.flush()
         self._drawn = now
 

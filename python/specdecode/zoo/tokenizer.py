@@ -112,12 +112,20 @@ class Tokenizer:
         TypeError
             If ``text`` is not a str.
         ValueError
-            If ``text`` contains U+2581, which cannot round-trip.
+            If ``text`` contains U+2581, which cannot round-trip, or a lone surrogate (not
+            UTF-8 encodable; e.g. a command line's undecodable bytes).
         """
         if not isinstance(text, str):
             raise TypeError(f"text: expected str, got {type(text).__name__}")
         if SP_WHITESPACE in text:
             raise ValueError("text: contains U+2581 ('▁'), sentencepiece's whitespace marker")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"text: not valid Unicode at character {e.start} ({text[e.start]!r}: a lone "
+                "surrogate, such as undecodable bytes become)"
+            ) from None
         ids = self._sp.encode(text)
         return ([BOS_ID] if bos else []) + ids + ([EOS_ID] if eos else [])
 
