@@ -463,3 +463,28 @@ def test_combined_drafter_near_the_draft_context_end_equals_the_target(mode):
     out = generate(target, prompts, drafter=d, max_new_tokens=61, max_nodes=64)
     assert out.sequences == [greedy_reference(target, p, 61) for p in prompts]
     assert d.counts["primary"] > 0 and d.counts["fallback"] > 0, d.counts
+
+
+def test_cacheback_slots_outside_the_range_are_refused_not_wrapped():
+    """Slots are checked before the int32 cast, which would wrap 2**32 + s onto slot s."""
+    d = CachebackDrafter(max_sequences=4)
+    for bad in (2**32, 2**32 + 1, -(2**32) + 2, 4, -1):
+        with pytest.raises(ValueError, match="outside"):
+            d.start([bad], [[1, 2, 3]])
+    d.start([0], [[1, 2, 3, 1, 2]])
+    with pytest.raises(ValueError, match="outside"):
+        d.propose([2**32])
+    with pytest.raises(ValueError, match="outside"):
+        d.observe([2**32], [[3]])
+
+
+def test_an_empty_batch_drafts_nothing():
+    """propose([]) and draft() of no rows, with numpy's zero-size strides (leaders of 2)."""
+    d = CachebackDrafter(leader_len=2, max_sequences=4)
+    tree = d.propose([])
+    assert tree.tokens.shape[0] == 0 and tree.num_nodes.shape == (0,)
+    cache = NGramCache(leader_len=2, max_sequences=4)
+    cache.update([], [], [0])
+    cache.draft([], np.zeros((0, 3), np.int32), np.zeros(0, np.int32), 8, 4)
+    with pytest.raises(ValueError, match="at least one column"):
+        cache.draft([0], np.zeros((1, 0), np.int32), [1], 8, 4)

@@ -59,6 +59,10 @@ def _slots_array(slots: Sequence[int] | Any, max_sequences: int) -> np.ndarray:
     arr = np.asarray(slots)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise TypeError(f"slots: expected a 1-D sequence of ints, got {arr.dtype} {arr.shape}")
+    # Checked before the int32 cast, which would wrap 2**32 + s onto slot s.
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= max_sequences):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise ValueError(f"slots: slot {bad} is outside [0, {max_sequences})")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
