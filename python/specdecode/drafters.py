@@ -62,7 +62,7 @@ def _slots_array(slots: Sequence[int] | Any, max_sequences: int) -> np.ndarray:
     # Checked before the int32 cast, which would wrap 2**32 + s onto slot s.
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= max_sequences):
         bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-        raise ValueError(f"slots: slot {bad} is outside [0, {max_sequences})")
+        raise ValueError(f"slots: expected slots in [0, {max_sequences}), got {bad}")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
@@ -151,8 +151,7 @@ class CachebackDrafter:
         return self.chain
 
     def _check_open(self, slots: np.ndarray, want_open: bool) -> None:
-        if slots.size and (slots.min() < 0 or slots.max() >= self.max_sequences):
-            raise ValueError(f"slots: expected slots in [0, {self.max_sequences}), got {slots}")
+        """``slots`` from _slots_array (in range)."""
         if slots.size > 1 and len(np.unique(slots)) != slots.size:
             raise ValueError("slots: a slot appears twice")
         bad = slots[self._open[slots] != want_open]
