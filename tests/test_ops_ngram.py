@@ -590,3 +590,20 @@ def test_shared_tables_are_safe_under_threads():
     # Each slot fed 800 tokens; every one advanced the shared clock exactly once.
     state = c.table_state(0)
     assert max(stamp for _, row in state for _, stamp in row) == 8 * 800
+
+
+def test_list_inputs_must_be_ints_in_range():
+    """Lists are checked before the int32 cast, which would truncate floats and wrap big ints."""
+    c = NGramCache(leader_len=1, follower_len=1, max_sequences=4)
+    with pytest.raises(TypeError, match="tokens: expected integers"):
+        c.update([0], [1.7, 2.2, 3.99], [0, 3])
+    with pytest.raises(TypeError, match="slots: expected integers"):
+        c.update([True], [5, 6], [0, 2])
+    with pytest.raises(ValueError, match="tokens: 2147483648 is outside"):
+        c.update([0], [2**31], [0, 1])
+    with pytest.raises(ValueError, match="slots"):
+        c.update([2**70], [1], [0, 1])
+    c.update([0], [1, 2, 3, 1, 2], [0, 5])
+    # Any max_depth >= 0 is a limit; past the deepest possible tree it changes nothing.
+    want = c.draft([0], [[1]], [1], 8, 1024)
+    assert all(torch.equal(a, b) for a, b in zip(c.draft([0], [[1]], [1], 8, 2**31), want))

@@ -3,7 +3,9 @@
 Conventions shared by every op:
 
 * Inputs are torch tensors, numpy arrays or any object with ``__dlpack__``, on the CPU or a
-  CUDA device; they are read without a copy. Outputs are torch tensors on the same device.
+  CUDA device; they are read without a copy. Outputs are torch tensors on the same device. The
+  attention ops (:func:`tree_attention`, :func:`compact_kv`), which models call from their
+  forward pass and which are torch custom ops, take torch tensors only.
 * Every op validates dtype, shape, device, contiguity and value ranges before native code runs and
   raises ``TypeError`` / ``ValueError`` naming the argument and what was expected.
 * Ragged batches use -1 (:data:`PAD_TOKEN`) as padding for token ids and node indices.

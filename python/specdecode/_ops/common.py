@@ -1,8 +1,9 @@
 """Plumbing shared by the op families: device discovery, streams, output allocation.
 
-Inputs may be torch tensors, numpy arrays or any object with ``__dlpack__``; they reach the
-native module unchanged (zero-copy through DLPack). Outputs are torch tensors allocated here on
-the inputs' device, because the native module allocates nothing.
+Inputs may be torch tensors, numpy arrays or any object with ``__dlpack__`` (the attention ops:
+torch tensors only); they reach the native module unchanged (zero-copy through DLPack). Outputs
+are torch tensors allocated here on the inputs' device, because the native module allocates
+nothing.
 """
 
 from __future__ import annotations
@@ -38,16 +39,30 @@ def device_of(x: Any, name: str) -> torch.device:
 
 
 def as_array(x: Any, name: str, dtype: torch.dtype | None = None) -> Any:
-    """Passes arrays through; turns nested Python lists/tuples into tensors of `dtype`."""
+    """Passes arrays through; turns nested Python lists/tuples into tensors of `dtype`.
+
+    For an integer `dtype` the list must hold ints in its range: a float or bool is a
+    TypeError and an int outside it a ValueError (a cast would truncate or wrap them)."""
     if isinstance(x, torch.Tensor):
         return x.detach() if x.requires_grad else x
     if isinstance(x, (list, tuple)):
+        integral = dtype is not None and not dtype.is_floating_point and dtype != torch.bool
         try:
-            return torch.tensor(x, dtype=dtype)
-        except (TypeError, ValueError) as exc:
+            t = torch.tensor(x) if integral else torch.tensor(x, dtype=dtype)
+        except (TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(
                 f"{name}: cannot make a {dtype} array from the given list: {exc}"
             ) from None
+        if integral and t.numel():
+            if t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise TypeError(f"{name}: expected integers, got a list of {t.dtype}")
+            info = torch.iinfo(dtype)
+            lo, hi = int(t.min()), int(t.max())
+            if lo < info.min or hi > info.max:
+                raise ValueError(
+                    f"{name}: {lo if lo < info.min else hi} is outside the range of {dtype}"
+                )
+        return t.to(dtype) if integral else t
     return x
 
 

@@ -20,6 +20,7 @@ import torch
 
 from .. import _C
 from .common import as_array
+from .tree import MAX_TREE_NODES
 
 __all__ = ["DraftTree", "NGramCache"]
 
@@ -281,7 +282,8 @@ class NGramCache:
             range, a negative token id among those read, or bad ``max_nodes`` / ``max_depth``.
         """
         max_nodes = _int_arg("max_nodes", max_nodes, 1, 1024)
-        max_depth = _int_arg("max_depth", max_depth, 0)
+        # A tree of max_nodes nodes is never deeper than max_nodes - 1: larger limits are that.
+        max_depth = min(_int_arg("max_depth", max_depth, 0), MAX_TREE_NODES)
         slots = _int32_array(slots, "slots")
         contexts = _int32_array(contexts, "contexts")
         context_lens = _int32_array(context_lens, "context_lens")
