@@ -206,6 +206,21 @@ def test_kernel_and_torch_attention_agree():
     )
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float64])
+def test_a_cache_in_another_dtype_runs_on_either_path(cache_dtype):
+    """new_cache(dtype=...) other than the model's: the kernel runs in the cache's dtype (q cast
+    to it), a dtype it lacks (float64) takes the torch path; both give the torch path's logits."""
+    kernel, _ = make_models("llama", attention="auto")
+    reference, _ = make_models("llama", attention="torch")
+    prompts = [_tokens(9, seed=60), _tokens(5, seed=61)]
+    ck = kernel.new_cache(2, 48, dtype=cache_dtype)
+    cr = reference.new_cache(2, 48, dtype=cache_dtype)
+    tol = {"atol": 3e-2, "rtol": 3e-2} if cache_dtype == torch.bfloat16 else TOL
+    got, want = prefill(kernel, ck, prompts), prefill(reference, cr, prompts)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, **tol)
+
+
 def test_unsupported_head_dim_falls_back_to_torch(monkeypatch):
     small = hf_model("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=48)
     assert 48 not in ops.HEAD_DIMS

@@ -680,7 +680,8 @@ class Transformer(nn.Module):
             rows = torch.arange(batch, device=x.device).unsqueeze(1).expand(batch, t)
             if sel is not None:
                 rows, kv_slots = rows.reshape(n)[sel], slots.reshape(n)[sel]
-        use_kernel = self._use_kernel(d, x.dtype, x.device)
+        # The kernel runs in the cache's dtype (the model's unless new_cache was given another).
+        use_kernel = self._use_kernel(d, cache.k[0].dtype, x.device)
         scale = 1.0 / math.sqrt(d)
         if not use_kernel:
             allowed = self._dense_mask(prefix, slots, tree_mask, t)
@@ -722,8 +723,8 @@ class Transformer(nn.Module):
             if use_kernel:
                 # cache._begin checked every row's room on the host: no status read per layer.
                 out = tree_attention_in_cache(
-                    q.contiguous(), k_cache, v_cache, prefix, tree_mask, scale
-                )
+                    q.to(k_cache.dtype).contiguous(), k_cache, v_cache, prefix, tree_mask, scale
+                ).to(q.dtype)
             else:
                 keys, values = k_cache[:, :s], v_cache[:, :s]
                 if keys.dtype != q.dtype:  # a cache kept in another dtype than the model
