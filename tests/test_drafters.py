@@ -488,3 +488,26 @@ def test_an_empty_batch_drafts_nothing():
     cache.draft([], np.zeros((0, 3), np.int32), np.zeros(0, np.int32), 8, 4)
     with pytest.raises(ValueError, match="at least one column"):
         cache.draft([0], np.zeros((1, 0), np.int32), [1], 8, 4)
+
+
+def test_a_static_cache_attached_too_late_is_an_error_not_a_silent_miss():
+    """The drafter keeps as many tokens per slot as the longest leader it was built with; a
+    static cache with longer leaders attached afterwards could never match."""
+    static = NGramCache.build([[1, 2, 3, 4, 5, 6] * 20], 3, 2, max_leaders=64)
+    late = CachebackDrafter(cache=NGramCache(1, 2, max_sequences=2))
+    late.start([0], [[9, 1, 2, 3]])
+    late.cache.static = static
+    with pytest.raises(ValueError, match="attach the static cache before"):
+        late.propose([0])
+    early = CachebackDrafter(cache=NGramCache(1, 2, max_sequences=2, static=static))
+    early.start([0], [[9, 1, 2, 3]])
+    assert early.propose([0]).tokens[0, :3].tolist() == [3, 4, 5]
+
+
+def test_a_frozen_cache_takes_no_static():
+    static = NGramCache.build([[1, 2, 3] * 10], 1, 2, max_leaders=8)
+    frozen = NGramCache.build([[4, 5, 6] * 10], 1, 2, max_leaders=8)
+    with pytest.raises(ValueError, match="frozen"):
+        frozen.static = static
+    again = NGramCache.from_bytes(frozen.to_bytes(), static=static)  # loading may attach one
+    assert again.frozen and again.static is static

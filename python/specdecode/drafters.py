@@ -209,6 +209,13 @@ class CachebackDrafter:
         """
         slots_arr = _slots_array(slots, self.max_sequences)
         self._check_open(slots_arr, want_open=True)
+        static = self.cache.static
+        if static is not None and max(lead for lead, _ in static.tables) > self._keep:
+            # The history kept per slot was sized at construction: such leaders never match.
+            raise ValueError(
+                "cache: its static cache has leaders longer than the drafter keeps "
+                f"({self._keep} tokens): attach the static cache before building the drafter"
+            )
         lens = self._history_len[slots_arr]
         # Left-align each history (drafting reads the last lens[b] entries of a row).
         contexts = np.zeros((slots_arr.size, self._keep), dtype=np.int32)

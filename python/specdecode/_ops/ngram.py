@@ -197,6 +197,12 @@ class NGramCache:
 
     @static.setter
     def static(self, value: NGramCache | None) -> None:
+        if self.frozen:
+            # Other caches and threads may be drafting from it: it must not change under them.
+            raise ValueError("static: this cache is frozen (read-only); set it before freeze()")
+        self._attach_static(value)
+
+    def _attach_static(self, value: NGramCache | None) -> None:
         if value is not None and not isinstance(value, NGramCache):
             raise TypeError(f"static: expected an NGramCache or None, got {type(value).__name__}")
         self._native.set_static(None if value is None else value._native)
@@ -413,7 +419,7 @@ class NGramCache:
         native = _C.NGramCache.from_bytes(bytes(data))
         obj = cls(_native=native)
         if static is not None:
-            obj.static = static
+            obj._attach_static(static)  # part of loading: a saved frozen cache may take one
         return obj
 
     def to_bytes(self) -> bytes:
