@@ -46,11 +46,19 @@ def test_config_defaults():
         ({"model_type": "qwen2", "attention_bias": False}, ValueError, "attention_bias"),
         ({"model_type": "mistral", "attention_bias": True}, ValueError, "attention_bias"),
         ({"eos_token_id": [2, -1]}, ValueError, "eos_token_id"),
+        ({"pad_token_id": -2}, ValueError, "pad_token_id"),
+        ({"bos_token_id": -1}, ValueError, "bos_token_id"),
     ],
 )
 def test_config_rejects(overrides, error, match):
     with pytest.raises(error, match=match):
         tiny_config(**overrides)
+
+
+def test_config_takes_pad_token_id_minus_one():
+    """Some Llama exports write pad_token_id -1 for "none"; it loads and round-trips."""
+    ours = tiny_config(pad_token_id=-1)
+    assert ModelConfig.from_hf_config(json.loads(json.dumps(ours.to_hf_config()))) == ours
 
 
 @pytest.mark.parametrize("family", FAMILIES)

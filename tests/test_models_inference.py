@@ -7,6 +7,7 @@ the sequence that the cache is supposed to represent at that point.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from reference_models import BASE, gpt2_model, hf_logits, hf_model
@@ -80,7 +81,7 @@ def test_prefill_decode_tree_compact(family):
 
     # A tree step: the root is the last committed token (not yet in the cache) plus 6 drafts.
     root, committed = seq[-1], seq[:-1]
-    cache.truncate(len(committed))
+    cache.truncate(np.int64(len(committed)))  # an int, numpy's included
     info = ops.tree_info(torch.tensor([TREE], dtype=torch.int32))
     tree_tokens = [root] + _tokens(len(TREE) - 1, seed=3)
     positions = len(committed) + info.depth.long()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -132,10 +133,10 @@ def as_lengths(
     value: Union[int, Sequence[int], torch.Tensor], batch: int, name: str = "lengths"
 ) -> torch.Tensor:
     """int64 ``[B]`` CPU tensor from an int (broadcast), a list or a tensor."""
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected an int, a list of ints or an integer tensor")
-    if isinstance(value, int):
-        return torch.full((batch,), value, dtype=torch.int64)
+    if isinstance(value, (int, np.integer)):
+        return torch.full((batch,), int(value), dtype=torch.int64)
     if isinstance(value, torch.Tensor):
         if value.dtype not in _INT_DTYPES:
             raise TypeError(f"{name}: expected an integer tensor, got {value.dtype}")

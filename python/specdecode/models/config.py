@@ -82,7 +82,8 @@ class ModelConfig:
     model_type : str
         ``"llama"``, ``"qwen2"`` or ``"mistral"``; decides the Hugging Face class on export.
     bos_token_id, eos_token_id, pad_token_id : int or list of int, optional
-        Special token ids (``eos_token_id`` may be a list).
+        Special token ids (``eos_token_id`` may be a list; ``pad_token_id`` -1 means none, as
+        some Llama exports write it).
     sliding_window : int, optional
         Mistral/Qwen2 attention window; sequences longer than it are refused (see module doc).
     initializer_range : float
@@ -158,10 +159,11 @@ class ModelConfig:
             raise ValueError("attention_bias: Mistral has no attention biases; it must be False")
         if self.sliding_window is not None:
             _check_int("sliding_window", self.sliding_window, 1)
-        for name in ("bos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_int(name, value, 0)
+        if self.bos_token_id is not None:
+            _check_int("bos_token_id", self.bos_token_id, 0)
+        if self.pad_token_id is not None:
+            # -1 is how some Llama exports say "no pad token"; the model never reads it.
+            _check_int("pad_token_id", self.pad_token_id, -1)
         _token_ids("eos_token_id", self.eos_token_id)
         if isinstance(self.eos_token_id, tuple):
             self.eos_token_id = list(self.eos_token_id)
