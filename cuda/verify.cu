@@ -18,8 +18,16 @@ static_assert(verify::kTopPBuckets % 32 == 0 && kThreads >= 32,
 constexpr uint8_t kSettled = 1, kBelow = 2, kAbove = 4;
 
 struct BlockShared {
-  float sums0[verify::kMaxChunks];
-  float sums1[verify::kMaxChunks];
+  // tree_limits' scratch shares the chunk sums' space: it runs at the start of a sequence's walk,
+  // before any chunk sums, and the previous sequence's were copied out (walk_kernel).
+  union {
+    float sums0[verify::kMaxChunks];
+    int16_t tree_depth[kMaxTreeNodes];
+  };
+  union {
+    float sums1[verify::kMaxChunks];
+    int16_t tree_children[kMaxTreeNodes];
+  };
   float chunk_max[verify::kMaxChunks];
   float chunk_scale[verify::kMaxChunks];
   float red_value[kThreads];
@@ -31,6 +39,7 @@ struct BlockShared {
   float total;
   uint32_t prefix;
   int64_t remaining;
+  TreeLimits tree_limits;
 };
 
 // Order-preserving key of a float with the largest value first (smallest key).
@@ -54,6 +63,17 @@ class BlockExec {
 
   __device__ bool leader() const { return threadIdx.x == 0; }
   __device__ float* sums(int which) { return which ? sh_->sums1 : sh_->sums0; }
+
+  // One pass in node order (each depth needs its parent's) by the leader; at most 1024 nodes,
+  // next to rows of up to 2^19 tokens the walk reads.
+  __device__ TreeLimits tree_limits(const int32_t* parents, int count) {
+    __syncthreads();
+    if (leader()) {
+      sh_->tree_limits = tree_limits_row(parents, count, sh_->tree_depth, sh_->tree_children);
+    }
+    __syncthreads();
+    return sh_->tree_limits;
+  }
 
   // A sampling_probs row (verify::distribution_sequence), the block's threads striding over it.
   template <class T>

@@ -33,7 +33,7 @@ from specdecode._ops import verify as verify_module
 from specdecode.drafters import CachebackDrafter, ModelDrafter
 from test_ops_attention import TOL, all_halves, floats_around_halves, make_case
 from test_ops_attention import random_parents as random_attention_parents
-from test_ops_verify import backend_parity_cases, final_draw_cases, seeds
+from test_ops_verify import backend_parity_cases, final_draw_cases, seeds, tree_limit_cases
 
 from specdecode import _C, SpeculativeDecoder, ops
 
@@ -328,6 +328,21 @@ def test_verify_is_independent_of_the_thread_order(schedule):
         with on_emulator(schedule, seed=11, slices=4):
             got = ops.verify(logits, tokens, seed=seeds(b), offset=1, **kw)
         assert_same_result(cpu, got, (schedule, sorted(kw)))
+
+
+def test_verify_tree_limits_equal_the_cpu():
+    """The block executor's tree_limits (the leader's pass in shared memory) flags the rows the
+    CPU's does, whatever the seed."""
+    for target, tokens, parents, max_depth in tree_limit_cases():
+        for seed in range(3):
+            kw = dict(parents=parents, seed=seed, offset=0, temperature=1.0, check=False)
+            if max_depth is not None:
+                kw["max_depth"] = max_depth
+            cpu = ops.verify(target, tokens, **kw)
+            with on_emulator():
+                got = ops.verify(target, tokens, **kw)
+            assert_same_result(cpu, got, ("tree limits", seed))
+            assert cpu.status.tolist()[0] in (64, 128)
 
 
 def test_verify_non_finite_rows_padding_and_validation():

@@ -1063,6 +1063,37 @@ def test_validation_errors_name_the_argument():
         ops.sample(torch.randn(3, 0), seed=0, offset=0)
 
 
+def tree_limit_cases():
+    """(target, tokens, parents, max_depth) of rows that break a limit only off most walks: 70
+    children under the root (MAX_SIBLINGS is 64) and a chain of depth 3 with max_depth 1."""
+    k = 70
+    wide = (
+        torch.zeros(1, k + 1, 80),
+        torch.cat([torch.zeros(1, 1), torch.arange(k)[None]], 1).int(),
+        torch.tensor([[-1] + [0] * k], dtype=torch.int32),
+        None,
+    )
+    deep = (torch.zeros(1, 4, 2), torch.tensor([[0, 1, 1, 1]], dtype=torch.int32), None, 1)
+    return wide, deep
+
+
+def test_tree_limits_are_checked_whole_not_where_the_walk_goes():
+    """Whether a row is refused depends on its tree, not on the seed: the walk used to flag a
+    limit only where its draws reached it. Greedy rows keep no tried siblings: no limit there."""
+    (t, tok, par, _), (ct, ctok, _, depth) = tree_limit_cases()
+    for seed in range(6):
+        with pytest.raises(ValueError, match="children"):
+            ops.verify(t, tok, parents=par, seed=seed, offset=0, temperature=1.0)
+        r = ops.verify(t, tok, parents=par, seed=seed, offset=0, temperature=1.0, check=False)
+        assert r.status.tolist() == [128] and r.num_emitted.tolist() == [0]
+        with pytest.raises(ValueError, match="max_depth"):
+            ops.verify(ct, ctok, seed=seed, offset=0, max_depth=depth, temperature=1.0)
+    assert ops.verify(t, tok, parents=par, seed=0, offset=0, temperature=0.0).status.tolist() == [0]
+    assert ops.verify(t, tok, parents=par, seed=0, offset=0, method="typical").status.tolist() == [
+        0
+    ]
+
+
 @pytest.mark.parametrize("batch", [1, 64, 65, 300])
 def test_per_sequence_values_are_checked_at_every_batch_size(batch):
     """The range checks of the per-sequence parameters take Python numbers for a few rows and

@@ -47,6 +47,30 @@ SD_HOST_DEVICE inline TreeError validate_tree_row(const int32_t* parents, int n,
   return TreeError::kOk;
 }
 
+// The deepest node's depth and the most children of one node, over nodes [0, count) of a valid
+// row (validate_tree_row; count at most its nodes). Parents come before children, so one pass
+// in index order; depth and children are scratch of count entries.
+struct TreeLimits {
+  int depth;
+  int children;
+};
+SD_HOST_DEVICE inline TreeLimits tree_limits_row(const int32_t* parents, int count, int16_t* depth,
+                                                 int16_t* children) {
+  TreeLimits lim{0, 0};
+  if (count <= 0) return lim;
+  depth[0] = 0;
+  children[0] = 0;
+  for (int i = 1; i < count; ++i) {
+    const int32_t p = parents[i];
+    depth[i] = static_cast<int16_t>(depth[p] + 1);
+    children[i] = 0;
+    const int c = ++children[p];
+    lim.depth = depth[i] > lim.depth ? depth[i] : lim.depth;
+    lim.children = c > lim.children ? c : lim.children;
+  }
+  return lim;
+}
+
 // Fills the ancestor mask of one valid row for the mask words w = word_begin, word_begin +
 // word_step, ... < words, and, when depth != nullptr, the depths. Row i of the mask has bit j set
 // iff j == i or j is an ancestor of i. Padding rows get an all-zero mask and depth -1.

@@ -9,6 +9,7 @@
 // executor in cuda/verify.cu):
 //
 //   bool leader()                          the one thread that writes outputs
+//   TreeLimits tree_limits(parents, count) tree_limits_row of the sequence's tree
 //   ScanResult scan(n, load, is_bad, hint) max value, its lowest index, and whether any is bad
 //   float chunk_sums(n, f, which)          canonical chunk sums of f into sums(which) (for the
 //                                          row weights RowWeight: S_c below); the total
@@ -80,8 +81,8 @@ enum StatusBits : int32_t {
   kBadDraftRow = 4,      // NaN/Inf/negative draft probability met
   kBadTree = 16,         // invalid parents row, or num_nodes outside [1, nodes of the tree]
   kBadToken = 32,        // a draft token outside [0, V)
-  kDepthOverflow = 64,   // the accepted path could exceed max_depth
-  kTooManySiblings = 128,  // a node with more than kMaxSiblings children
+  kDepthOverflow = 64,   // the tree (or chain) is deeper than max_depth
+  kTooManySiblings = 128,  // a node with more than kMaxSiblings children (exact / relaxed draws)
 };
 
 // ---- arithmetic that rounds identically on host and device ------------------------------------
@@ -1294,6 +1295,18 @@ SD_HOST_DEVICE void walk_sequence(Ex& ex, const VerifyArgs& a, int64_t b, FinalD
   const SeqParams sp = sequence_params(a.temperature, a.top_k, a.top_p, a.seed, a.offset, b);
   const bool greedy = a.method == kGreedy || sp.greedy;
   const bool from_target = a.method == kRelaxed && a.correction_from_target;
+  // The whole tree against max_depth and, where the walk keeps its tried siblings in
+  // kMaxSiblings slots (exact and relaxed sampling), the children per node: so that whether a
+  // row is refused depends on its tree, not on where the draws lead the walk (which checks
+  // again as it goes, for the bounds of its arrays). Only where a tree could break a limit.
+  const bool sibling_limit = !greedy && (a.method == kExact || a.method == kRelaxed);
+  if (status == 0 && !parents && count - 1 > a.max_depth) status |= kDepthOverflow;
+  if (status == 0 && parents &&
+      (count - 1 > a.max_depth || (sibling_limit && count - 1 > kMaxSiblings))) {
+    const TreeLimits lim = ex.tree_limits(parents, count);
+    if (lim.depth > a.max_depth) status |= kDepthOverflow;
+    if (sibling_limit && lim.children > kMaxSiblings) status |= kTooManySiblings;
+  }
 
   int accepted_count = 0;
   int node = 0;

@@ -255,7 +255,7 @@ def _raise_walk_errors(status: torch.Tensor, parents: Optional[torch.Tensor], n:
     elif code & _STATUS_BAD_TOKEN:
         what = ("tokens", f"batch row {b} has a draft token outside [0, V)")
     elif code & _STATUS_DEPTH:
-        what = ("max_depth", f"batch row {b} has a path deeper than max_depth")
+        what = ("max_depth", f"batch row {b} has a tree deeper than max_depth")
     else:
         what = (
             "parents",
@@ -645,11 +645,10 @@ def verify(
     check : bool
         Raise ValueError for invalid trees, out-of-range tokens or a too small ``max_depth``
         after the call (a device sync on a GPU). With False these only show in ``status``
-        (bits 16, 32, 64, 128) and the row emits nothing. Trees and tokens are checked whole;
-        ``max_depth`` and the limit of ``MAX_SIBLINGS`` children per node only where the walk
-        goes (a node's children are counted as they are tried), so a tree that breaks them
-        raises when its walk reaches that depth or tries that many children, which depends on
-        the draws.
+        (bits 16, 32, 64, 128) and the row emits nothing. Every check is of the whole tree
+        (not only of where the draws lead the walk): its validity, its tokens, its depth
+        against ``max_depth`` and, for sampled exact / relaxed rows, at most
+        :data:`MAX_SIBLINGS` children per node.
 
     Returns
     -------
