@@ -547,6 +547,20 @@ def test_compact_kv_bad_arguments():
         ops.compact_kv(k, v, torch.tensor([-1, 0], dtype=torch.int32), path, acc)
 
 
+def test_tree_attention_with_grad_inputs_has_a_graph_whose_backward_raises():
+    """Not silently detached: the output stays in the graph (as under torch.compile) and a
+    backward pass says there is no formula; without grad mode nothing is tracked."""
+    q, k, v, lens, _ = make_case(1, 3, 2, 1, 64, [5], torch.float32)
+    want = ops.tree_attention(q, k, v, lens)
+    q.requires_grad_()
+    out = ops.tree_attention(q, k, v, lens)
+    assert out.requires_grad and torch.equal(out.detach(), want)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not ops.tree_attention(q, k, v, lens).requires_grad
+
+
 def test_compact_kv_tells_autograd_it_wrote_in_place():
     """A cache saved for a backward pass fails autograd's version check after compact_kv, as
     after any in-place torch op; caches that require grad are refused (no backward)."""

@@ -186,7 +186,9 @@ def tree_attention(
     accumulation; one running online-softmax state spans prefix and tree, the same merge applied
     key by key); fp32, other layouts and older GPUs run on the CUDA cores in float.
     Grouped-query attention maps query head ``h`` to KV head ``h // (Hq / Hkv)``. Positional
-    encodings (RoPE at ``prefix_len + depth``) are the caller's job.
+    encodings (RoPE at ``prefix_len + depth``) are the caller's job. The op has no backward:
+    given inputs that require grad (with grad enabled) its outputs require grad too, and a
+    backward pass through them raises.
 
     Parameters
     ----------
@@ -235,6 +237,13 @@ def tree_attention(
         a ``prefix_lens`` entry is negative or leaves no room for the ``T`` tree nodes (checked
         on the device; on CUDA this check synchronises).
     """
+    # With grad on for an input that wants it, the op goes through torch's dispatcher as under
+    # torch.compile: the output then requires grad and a backward pass raises (no formula)
+    # instead of the output silently leaving the graph.
+    tracked = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k_cache, v_cache)
+    )
+    inputs = (q, k_cache, v_cache)
     q = _check_tensor(q, "q")
     k_cache = _check_tensor(k_cache, "k_cache")
     v_cache = _check_tensor(v_cache, "v_cache")
@@ -246,7 +255,9 @@ def tree_attention(
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q: expected float32, float16 or bfloat16, got {q.dtype}")
     scale = _default_scale(scale, q.shape[-1])
-    if torch.compiler.is_compiling():
+    if tracked:
+        out, lse = torch.ops.specdecode.tree_attention(*inputs, prefix_lens, tree_mask, scale)
+    elif torch.compiler.is_compiling():
         out, lse = torch.ops.specdecode.tree_attention(
             q, k_cache, v_cache, prefix_lens, tree_mask, scale
         )
