@@ -543,8 +543,12 @@ def test_compact_kv_bad_arguments():
         ops.compact_kv(k, v.half(), lens, path, acc)
     with pytest.raises(ValueError, match="prefix_lens"):
         ops.compact_kv(k, v, lens[:1], path, acc)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"prefix_lens\[0\] = -1 is negative"):
         ops.compact_kv(k, v, torch.tensor([-1, 0], dtype=torch.int32), path, acc)
+    with pytest.raises(ValueError, match="negative"):  # nothing to move: the same error
+        ops.compact_kv(k, v, torch.tensor([-1, 0], dtype=torch.int32), path, acc * 0)
+    with pytest.raises(ValueError, match="k_cache: a broadcast view"):
+        ops.compact_kv(k[:1].expand(2, -1, -1, -1), v, lens, path, acc)
 
 
 def test_tree_attention_with_grad_inputs_has_a_graph_whose_backward_raises():

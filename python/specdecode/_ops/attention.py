@@ -282,6 +282,11 @@ def _raise_compact_errors(
     b = int(bad[0])
     code, i = (int(x) for x in host[b])
     row = path[b].tolist()
+    if code == 4 and int(prefix_lens[b]) < 0:
+        raise ValueError(
+            f"compact_kv: prefix_lens[{b}] = {int(prefix_lens[b])} is negative; the cache was "
+            "not modified"
+        )
     msg = _COMPACT_ERRORS[code].format(
         b=b,
         i=i,
@@ -375,6 +380,13 @@ def compact_kv(
             )
     k_cache = _check_tensor(k_cache, "k_cache")
     v_cache = _check_tensor(v_cache, "v_cache")
+    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        # Rows that share memory would be written by several moves at once.
+        if any(st == 0 and n > 1 for st, n in zip(cache.stride(), cache.shape)):
+            raise ValueError(
+                f"{name}: a broadcast view (a stride of 0 in shape {list(cache.shape)}) cannot "
+                "be moved in place; pass a cache with memory of its own"
+            )
     prefix_lens = _check_tensor(prefix_lens, "prefix_lens")
     path = _check_tensor(path, "path")
     num_accepted = _check_tensor(num_accepted, "num_accepted")
