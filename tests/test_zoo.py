@@ -163,6 +163,14 @@ def test_tokenizer_validates(tok):
         tok.decode([tok.vocab_size])
     with pytest.raises(ValueError, match="ids"):
         tok.decode([-1])
+    with pytest.raises(TypeError, match="ids"):
+        tok.decode("12")  # not read as ids 1 and 2
+    with pytest.raises(TypeError, match="ids"):
+        tok.decode([100.9])
+    with pytest.raises(TypeError, match="token_id"):
+        tok.id_to_piece(2.9)
+    assert tok.decode(torch.tensor(tok.encode("x = 1"))) == tok.decode(tok.encode("x = 1"))
+    assert tok.id_to_piece(np.int64(5)) == tok.id_to_piece(5)
     with pytest.raises(FileNotFoundError, match="model_path"):
         Tokenizer("/nonexistent/tokenizer.model")
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Iterable, List, Sequence, Union
+from typing import Any, Iterable, List, Sequence, Union
 
+import numpy as np
 import sentencepiece as spm
 
 # Fixed ids of the special pieces (the first four of the vocabulary).
@@ -64,6 +65,16 @@ def train_sentencepiece(
         minloglevel=2,
     )
     Path(model_path).write_bytes(proto.getvalue())
+
+
+def _token_id(value: Any, name: str) -> int:
+    """An int token id (numpy and 0-d torch ints included); a float, bool or str is a TypeError
+    (int() would truncate a float, and a str would be read as its digits)."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected int token ids, got {value!r}")
+    return int(value)
 
 
 class Tokenizer:
@@ -137,7 +148,9 @@ class Tokenizer:
         ValueError
             If an id is outside ``[0, vocab_size)``.
         """
-        ids = [int(i) for i in ids]
+        if isinstance(ids, (str, bytes)):
+            raise TypeError(f"ids: expected a sequence of token ids, got {type(ids).__name__}")
+        ids = [_token_id(i, "ids") for i in ids]
         n = self.vocab_size
         for i in ids:
             if not 0 <= i < n:
@@ -146,6 +159,7 @@ class Tokenizer:
 
     def id_to_piece(self, token_id: int) -> str:
         """The piece string of one id (for display)."""
-        if not 0 <= int(token_id) < self.vocab_size:
+        token_id = _token_id(token_id, "token_id")
+        if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token_id: {token_id} outside [0, {self.vocab_size})")
-        return self._sp.id_to_piece(int(token_id))
+        return self._sp.id_to_piece(token_id)
