@@ -31,11 +31,11 @@ from specdecode._ops import attention as attention_module
 from specdecode._ops import tree as tree_module
 from specdecode._ops import verify as verify_module
 from specdecode.drafters import CachebackDrafter, ModelDrafter
-from test_ops_attention import TOL, all_halves, floats_around_halves, make_case
+from test_ops_attention import TOL, all_halves, convert_16bit, floats_around_halves, make_case
 from test_ops_attention import random_parents as random_attention_parents
 from test_ops_verify import backend_parity_cases, final_draw_cases, seeds, tree_limit_cases
 
-from specdecode import _C, SpeculativeDecoder, ops
+from specdecode import SpeculativeDecoder, ops
 
 _BUILT_BY_DEFAULT = sys.platform.startswith("linux") and os.environ.get(
     "SPECDECODE_CUDA_EMU", "ON"
@@ -248,12 +248,9 @@ def test_16bit_conversion_kernels_equal_the_host():
     every element of a grid whose size is not a multiple of the block's."""
     cases = ((all_halves()[:4465], torch.float32), (floats_around_halves(), torch.float16))
     for src, dtype in cases:
-        host = torch.empty(src.shape, dtype=dtype)
-        _C.convert_16bit(src, host)
-        emulated = torch.full(src.shape, 7.0, dtype=dtype)
-        emu.convert_16bit(src, emulated)
         bits = torch.int32 if dtype == torch.float32 else torch.int16
-        assert torch.equal(emulated.view(bits), host.view(bits))
+        host = convert_16bit(src, dtype)
+        assert torch.equal(convert_16bit(src, dtype, module=emu).view(bits), host.view(bits))
 
 
 def test_stats_count_the_work():

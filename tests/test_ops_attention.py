@@ -638,13 +638,21 @@ def floats_around_halves() -> torch.Tensor:
     return torch.cat([x, -x, nans.view(torch.float32)])
 
 
+def convert_16bit(src: torch.Tensor, dtype: torch.dtype, module=_C, device: str = "cpu"):
+    """``src`` through ``module.convert_16bit`` on ``device`` (into a new ``dtype`` array), on
+    the host."""
+    out = torch.empty(src.shape, dtype=dtype, device=device)
+    stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
+    module.convert_16bit(src.to(device), out, stream)
+    return out.cpu()
+
+
 def test_16bit_conversions_match_torch_bit_for_bit():
     """The kernels' fp16 conversions (host_device.h's bit code on the CPU) against torch's: every
     half pattern widened exactly, floats at and around every half (ties, the overflow and
     underflow edges) rounded to nearest even; NaN stays NaN with the half's payload kept."""
     halves = all_halves()
-    wide = torch.empty(halves.shape, dtype=torch.float32)
-    _C.convert_16bit(halves, wide)
+    wide = convert_16bit(halves, torch.float32)
     want = halves.float()
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(wide), nan)
@@ -653,8 +661,7 @@ def test_16bit_conversions_match_torch_bit_for_bit():
     assert torch.equal(wide[nan].view(torch.int32) >> 13 & 0x3FF, payload[nan])
 
     x = floats_around_halves()
-    narrow = torch.empty(x.shape, dtype=torch.float16)
-    _C.convert_16bit(x, narrow)
+    narrow = convert_16bit(x, torch.float16)
     want = x.half()
     nan = torch.isnan(x)
     assert torch.equal(torch.isnan(narrow), nan)
@@ -729,14 +736,10 @@ def test_cuda_kernel_choice(dtype):
 def test_cuda_16bit_conversions_equal_the_host_bit_for_bit():
     """On the GPU the conversions are cvt instructions (NaN aside): the same bits as the host's
     code for every half pattern and for floats at and around every half, NaNs included."""
-    stream = torch.cuda.current_stream().cuda_stream
     for src, dtype in ((all_halves(), torch.float32), (floats_around_halves(), torch.float16)):
-        host = torch.empty(src.shape, dtype=dtype)
-        _C.convert_16bit(src, host)
-        dev = torch.empty(src.shape, dtype=dtype, device="cuda")
-        _C.convert_16bit(src.cuda(), dev, stream)
         bits = torch.int32 if dtype == torch.float32 else torch.int16
-        assert torch.equal(dev.cpu().view(bits), host.view(bits))
+        host = convert_16bit(src, dtype)
+        assert torch.equal(convert_16bit(src, dtype, device="cuda").view(bits), host.view(bits))
 
 
 def test_in_cache_variant_equals_the_op():
