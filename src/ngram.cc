@@ -650,6 +650,9 @@ std::unique_ptr<NGramCache> NGramCache::deserialize(const char* data, size_t siz
   for (int st = 0; st < cache->num_states(); ++st) {
     const int64_t clock = r.get<int64_t>("clock");
     if (clock < 0) bad_file("negative clock");
+    // A clock counts committed tokens; one of 2^62 or more can only be forged, and its stamps
+    // would overflow within the next updates.
+    if (clock > (INT64_MAX >> 1)) bad_file("clock out of range");
     cache->clocks_[st] = clock;
     for (int k = 0; k < cache->num_tables(); ++k) {
       Table tab = cache->table(st, k);

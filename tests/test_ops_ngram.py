@@ -398,12 +398,35 @@ def test_consistent_checksum_but_bad_content_raises(tmp_path):
     body = bytearray(_saved(tmp_path)[:-8])
     # Slot 0's tail length follows the 40-byte header; claim more tokens than a tail can hold.
     body[40:44] = struct.pack("<I", 99)
+    with pytest.raises(ValueError, match="inconsistent"):
+        NGramCache.from_bytes(_sealed(bytes(body)))
+
+
+def _sealed(body: bytes) -> bytes:
+    """body with the file's FNV-1a checksum appended (a forger's file)."""
+    import struct
+
     fnv = 0xCBF29CE484222325
     for byte in body:
         fnv = ((fnv ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    data = bytes(body) + struct.pack("<Q", fnv)
-    with pytest.raises(ValueError, match="inconsistent"):
-        NGramCache.from_bytes(data)
+    return body + struct.pack("<Q", fnv)
+
+
+def test_a_forged_clock_of_two_to_the_62_or_more_is_refused():
+    """A clock counts tokens: near INT64_MAX it can only be forged, and the next updates would
+    overflow its stamps (undefined behaviour)."""
+    import struct
+
+    raw = NGramCache(max_sequences=1).to_bytes()[:-8]
+    at = 44  # magic, version, tables, (leader, follower), sizes, flags, the tail: then the clock
+    assert struct.unpack("<q", raw[at : at + 8])[0] == 0
+    for clock, ok in ((2**62 - 1, True), (2**63 - 1, False), (2**62, False)):
+        data = _sealed(raw[:at] + struct.pack("<q", clock) + raw[at + 8 :])
+        if ok:
+            assert NGramCache.from_bytes(data).to_bytes() == data
+        else:
+            with pytest.raises(ValueError, match="clock out of range"):
+                NGramCache.from_bytes(data)
 
 
 # ---------------------------------------------------------------------------------------------
