@@ -511,3 +511,11 @@ def test_a_frozen_cache_takes_no_static():
         frozen.static = static
     again = NGramCache.from_bytes(frozen.to_bytes(), static=static)  # loading may attach one
     assert again.frozen and again.static is static
+
+
+def test_cacheback_limits_are_ints():
+    with pytest.raises(TypeError, match="max_nodes"):
+        CachebackDrafter(max_sequences=2, max_nodes=2.9)
+    d = CachebackDrafter(max_sequences=2, max_depth=2**31)  # any depth limit >= 0
+    d.start([0], [[1, 2, 1]])
+    assert int(d.propose([0]).num_nodes[0]) >= 2

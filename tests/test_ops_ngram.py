@@ -630,3 +630,19 @@ def test_list_inputs_must_be_ints_in_range():
     # Any max_depth >= 0 is a limit; past the deepest possible tree it changes nothing.
     want = c.draft([0], [[1]], [1], 8, 1024)
     assert all(torch.equal(a, b) for a, b in zip(c.draft([0], [[1]], [1], 8, 2**31), want))
+
+
+def test_build_takes_any_integer_stream_and_checks_shared_slots():
+    stream = [1, 2, 3, 1, 2, 4, 1, 2, 3]
+    want = NGramCache.build([np.asarray(stream, np.int32)], 1, 2).to_bytes()
+    for dtype in (np.int8, np.uint8, np.int16, np.uint16, np.uint32, np.int64):
+        assert NGramCache.build([np.asarray(stream, dtype)], 1, 2).to_bytes() == want
+    assert NGramCache.build([torch.tensor(stream, dtype=torch.int16)], 1, 2).to_bytes() == want
+    with pytest.raises(TypeError, match="stream 0 must hold integer token ids"):
+        NGramCache.build([[1.5, 2.0]], 1, 2)
+    shared = NGramCache(shared=True, max_sequences=2)
+    for bad in (-5, 2):
+        with pytest.raises(ValueError, match="slot"):
+            shared.table_state(bad)
+    with pytest.raises(TypeError, match="slot"):
+        shared.table_state("x")

@@ -122,6 +122,9 @@ class CachebackDrafter:
             raise TypeError(f"cache: expected an NGramCache, got {type(cache).__name__}")
         if cache.frozen:
             raise ValueError("cache: is frozen; pass it as static= of a live cache instead")
+        for name, value in (("max_nodes", max_nodes), ("max_depth", max_depth)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name}: expected an int, got {value!r}")
         self.cache = cache
         self.max_nodes = int(max_nodes)
         self.max_depth = int(max_depth)

@@ -371,18 +371,20 @@ class NGramCache:
         )
         slot = torch.zeros(1, dtype=torch.int32)
         for i, stream in enumerate(streams):
-            if isinstance(stream, (list, tuple)):
-                stream = np.asarray(stream, dtype=np.int64)
-            arr = torch.as_tensor(np.asarray(stream))
-            if arr.ndim != 1:
-                raise ValueError(f"streams: stream {i} must be 1-D, got shape {list(arr.shape)}")
-            if arr.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
-                raise TypeError(f"streams: stream {i} must hold integer token ids, got {arr.dtype}")
-            if arr.numel() and int(arr.min()) < 0:
+            if isinstance(stream, torch.Tensor):
+                stream = stream.detach().cpu().numpy()
+            host = np.asarray(stream)
+            if host.ndim != 1:
+                raise ValueError(f"streams: stream {i} must be 1-D, got shape {list(host.shape)}")
+            if host.size and not np.issubdtype(host.dtype, np.integer):
+                raise TypeError(
+                    f"streams: stream {i} must hold integer token ids, got {host.dtype}"
+                )
+            if host.size and int(host.min()) < 0:
                 raise ValueError(f"streams: stream {i} has a negative token id")
-            if arr.numel() and int(arr.max()) > np.iinfo(np.int32).max:
+            if host.size and int(host.max()) > np.iinfo(np.int32).max:
                 raise ValueError(f"streams: stream {i} has a token id beyond int32")
-            arr = arr.to(torch.int32).contiguous()
+            arr = torch.from_numpy(np.ascontiguousarray(host, dtype=np.int32))
             cache.update(slot, arr, torch.tensor([0, arr.numel()], dtype=torch.int32))
             cache.end_stream(slot)
         return cache.freeze()
@@ -438,7 +440,8 @@ class NGramCache:
             used; each row's followers most recent first; tokens as tuples of ints; ``stamp`` is
             the position in the slot's (or the shared) stream where the follower was last seen.
         """
-        state = 0 if self._config["shared"] else _int_arg("slot", slot, 0, self.max_sequences - 1)
+        slot = _int_arg("slot", slot, 0, self.max_sequences - 1)
+        state = 0 if self._config["shared"] else slot
         return self._native.table_state(state, _int_arg("table", table, 0, len(self.tables) - 1))
 
     def tail(self, slot: int) -> list[int]:
