@@ -690,3 +690,18 @@ def test_ragged_padding_rows_of_logits_and_hidden_states_are_zero():
     full = model.new_cache(1, 32)
     want = model.forward(ids[:1, :6], torch.arange(6).unsqueeze(0), full)
     torch.testing.assert_close(logits[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_hf_wrapper_passes_the_cache_by_the_models_own_argument():
+    """transformers 5.24 renamed past_key_values to cache (the old name goes in 5.40): the
+    wrapper uses whichever the model's forward has, so no deprecation warning."""
+    import warnings
+
+    model, full = make_models("llama:hf")
+    cache = model.new_cache(1, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache)
+        step = model.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+    torch.testing.assert_close(step[0, 0], full(torch.tensor([[1, 2, 3, 4]]))[0, -1], **TOL)

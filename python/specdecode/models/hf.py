@@ -19,6 +19,7 @@ influence a result.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Optional, Sequence, Union
 
@@ -183,8 +184,9 @@ class HFCausalLM:
     ----------
     model : transformers.PreTrainedModel
         A causal LM whose forward accepts ``attention_mask`` as a 4-D additive mask,
-        ``position_ids`` and ``past_key_values`` (every decoder-only model in transformers with
-        the ``eager`` or ``sdpa`` attention). It is put in eval mode.
+        ``position_ids`` and its KV cache as ``cache`` (transformers 5.24 on) or
+        ``past_key_values`` (every decoder-only model in transformers with the ``eager`` or
+        ``sdpa`` attention). It is put in eval mode.
     """
 
     def __init__(self, model: Any) -> None:
@@ -199,6 +201,10 @@ class HFCausalLM:
                 "with attn_implementation='sdpa' or 'eager'"
             )
         self.model = model.eval()
+        # transformers 5.24 renamed the cache argument (past_key_values goes in 5.40).
+        self._cache_arg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
         head = model.get_output_embeddings()
         self._vocab_size = (
             int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
@@ -313,13 +319,16 @@ class HFCausalLM:
                 input_ids=input_ids,
                 attention_mask=mask.unsqueeze(1),
                 position_ids=positions,
-                past_key_values=cache.hf,
                 use_cache=True,
                 output_hidden_states=bool(wanted),
                 return_dict=True,
+                **{self._cache_arg: cache.hf},
             )
-        if out.past_key_values is not None:
-            cache.hf = out.past_key_values
+        returned = out.get("cache", None)
+        if returned is None:
+            returned = out.get("past_key_values", None)
+        if returned is not None:
+            cache.hf = returned
         cache._valid = torch.cat(
             (cache.valid, torch.ones(batch, t, dtype=torch.bool, device=device)), dim=1
         )
