@@ -244,7 +244,9 @@ void NGramCache::update(const int32_t* slots, int64_t batch, const int32_t* toke
 // draft
 
 struct NGramCache::Scratch {
-  std::vector<int32_t> token, parent, depth, queue;
+  // first_child / next_sibling: each node's children as a list, so that a token is looked for
+  // among all of a node's children, whichever expansion made them.
+  std::vector<int32_t> token, parent, depth, queue, first_child, next_sibling;
   std::vector<uint8_t> queued;
   std::vector<Candidate> cands;
   std::vector<int32_t> cur;
@@ -254,6 +256,8 @@ struct NGramCache::Scratch {
         parent(max_nodes),
         depth(max_nodes),
         queue(max_nodes),
+        first_child(max_nodes),
+        next_sibling(max_nodes),
         queued(max_nodes) {}
 };
 
@@ -297,6 +301,7 @@ void NGramCache::draft_one(int slot, const int32_t* context, int context_len, in
   sc.token[0] = context[context_len - 1];
   sc.parent[0] = kPad;
   sc.depth[0] = 0;
+  sc.first_child[0] = -1;
   std::fill(sc.queued.begin(), sc.queued.begin() + max_nodes, 0);
   int qhead = 0, qtail = 0;
   sc.queue[qtail++] = 0;
@@ -320,7 +325,9 @@ void NGramCache::draft_one(int slot, const int32_t* context, int context_len, in
     if (chain) sc.cands.resize(1);
 
     // Insert the candidates as paths below v, level by level, so that siblings claim the node
-    // budget before descendants; common prefixes share nodes.
+    // budget before descendants. Invariant: no two children of a node carry the same token, so a
+    // candidate's path joins any existing node with its prefix, also one made by an earlier
+    // expansion (a longer follower of another table passes through the ends of shorter ones).
     const int ncand = static_cast<int>(sc.cands.size());
     sc.cur.assign(ncand, v);
     sc.alive.assign(ncand, 1);
@@ -330,20 +337,12 @@ void NGramCache::draft_one(int slot, const int32_t* context, int context_len, in
     // candidates at the same level: those still longer than that die there.
     const int levels = std::min(longest, max_depth - sc.depth[v]);
     for (int j = 0; j < levels; ++j) {
-      // The children of a node at level j - 1 are only ever created at level j of this
-      // expansion, so the nodes created so far at this level are the only ones to search.
-      const int level_begin = count;
       for (int c = 0; c < ncand; ++c) {
         if (!sc.alive[c] || j >= sc.cands[c].len) continue;
         const int at = sc.cur[c];
         const int32_t tok = sc.cands[c].tokens[j];
-        int child = -1;
-        for (int u = level_begin; u < count; ++u) {
-          if (sc.parent[u] == at && sc.token[u] == tok) {
-            child = u;
-            break;
-          }
-        }
+        int child = sc.first_child[at];
+        while (child >= 0 && sc.token[child] != tok) child = sc.next_sibling[child];
         if (child < 0) {
           if (count >= max_nodes) {
             sc.alive[c] = 0;
@@ -354,6 +353,9 @@ void NGramCache::draft_one(int slot, const int32_t* context, int context_len, in
           sc.parent[child] = at;
           sc.depth[child] = sc.depth[at] + 1;
           sc.queued[child] = 0;
+          sc.first_child[child] = -1;
+          sc.next_sibling[child] = sc.first_child[at];
+          sc.first_child[at] = child;
         }
         sc.cur[c] = child;
       }

@@ -15,8 +15,10 @@ Semantics the native cache must match exactly:
 * ``draft``: breadth-first expansion from the root; each expansion looks up the path's last
   tokens in every table (refreshing a found leader if touch_on_read), merges the rows by stamp
   (most recent first, ties to the earlier table), then the static cache's followers likewise,
-  and inserts them level by level as paths under the node, sharing common prefixes, within
-  max_nodes and max_depth; the end of every complete path is queued for expansion.
+  and inserts them level by level as paths under the node, sharing common prefixes (a path
+  joins any existing child with its next token, so no node has two children with the same
+  token), within max_nodes and max_depth; the end of every complete path is queued for
+  expansion.
 """
 
 from __future__ import annotations
@@ -181,7 +183,6 @@ class RefNGramCache:
                 continue
             if chain:
                 cands = cands[:1]
-            first_new = len(tokens)
             cur = [v] * len(cands)
             alive = [True] * len(cands)
             for j in range(max(len(c) for c in cands)):
@@ -192,10 +193,12 @@ class RefNGramCache:
                     if depth[at] >= max_depth:
                         alive[c] = False
                         continue
+                    # Any existing child with the token, whichever expansion made it: no two
+                    # children of a node carry the same token.
                     child = next(
                         (
                             u
-                            for u in range(first_new, len(tokens))
+                            for u in range(at + 1, len(tokens))
                             if parents[u] == at and tokens[u] == cand[j]
                         ),
                         None,

@@ -119,6 +119,28 @@ def test_draft_tree_shape_and_chain():
     assert chain.num_nodes.tolist() == [3]
 
 
+def assert_distinct_siblings(tree) -> None:
+    """No node has two children with the same token (a second one would waste the budget)."""
+    for b, n in enumerate(tree.num_nodes.tolist()):
+        pairs = list(zip(tree.parents[b, 1:n].tolist(), tree.tokens[b, 1:n].tolist()))
+        assert len(set(pairs)) == len(pairs), (b, pairs)
+
+
+def test_followers_of_other_lengths_join_existing_children():
+    # Table (1, 1) knows 5 -> 6 and 6 -> 7; table (1, 2) knows 5 -> (6, 7). Expanding the root
+    # makes 5 -> 6 -> 7 (shared prefix); expanding node 6 then finds its follower 7 already
+    # there, made by the root's expansion, and must join it rather than add a second 7.
+    cache = NGramCache(tables=[(1, 1), (1, 2)], max_sequences=1)
+    cache.update(t32([0]), t32([5, 6, 7]), t32([0, 3]))
+    tree = cache.draft(t32([0]), t32([[5]]), t32([1]), max_nodes=8, max_depth=4)
+    assert tree.num_nodes.tolist() == [3]
+    assert tree.tokens[0, :3].tolist() == [5, 6, 7]
+    assert tree.parents[0, :3].tolist() == [-1, 0, 1]
+    ref = RefNGramCache(tables=[(1, 1), (1, 2)], max_sequences=1)
+    ref.update([0], [5, 6, 7], [0, 3])
+    assert_same_draft(tree, ref.draft([0], [[5]], [1], 8, 4))
+
+
 def test_nbytes_fixed_and_reset():
     cache = NGramCache(2, 2, max_leaders=8, max_followers=2, max_sequences=3)
     before = cache.nbytes
@@ -197,6 +219,7 @@ def run_script(native, ref, steps, slots=range(3)):
             info = tree_info(tree.parents)
             assert info.num_nodes.tolist() == tree.num_nodes.tolist()
             assert int(info.depth.max()) <= max_depth
+            assert_distinct_siblings(tree)
         else:
             native.reset(t32(step[1]))
             ref.reset(step[1])
