@@ -356,6 +356,15 @@ def test_verify_non_finite_rows_padding_and_validation():
         got = ops.verify(logits, tokens, allow=allow, seed=0, offset=0)
     assert_same_result(cpu, got, "non-finite")
     assert got.status.tolist()[:4] == [1, 1, 0, 2]
+    # Probability rows whose float32 sum overflows (finite entries), in a whole chunk.
+    probs = torch.softmax(logits.nan_to_num(0.0, 0.0, 0.0), -1)
+    probs[4, 0, 256:260] = torch.tensor([1e38, 3e38, 2e38, 1e37])
+    probs[5, 1, 256:258] = torch.tensor([1e38, 2e38])  # 3e38 in all: valid
+    cpu = ops.verify(probs, tokens, allow=allow, target_is_logits=False, seed=0, offset=0)
+    with on_emulator():
+        got = ops.verify(probs, tokens, allow=allow, target_is_logits=False, seed=0, offset=0)
+    assert_same_result(cpu, got, "overflowing sum")
+    assert got.status.tolist()[4:] == [1, 0]
     logits = torch.randn(3, 5, 10)
     parents = torch.tensor(
         [[-1, 0, 0, -1, -1], [-1, 0, 1, 2, -1], [-1, 0, 0, 1, 1]], dtype=torch.int32

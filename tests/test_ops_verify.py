@@ -829,6 +829,32 @@ def test_non_finite_and_zero_rows_set_status():
         assert res.status.tolist() == [1, 1, 0, 1, 1, 0]
 
 
+@pytest.mark.parametrize("v", [10, 1024])
+def test_probability_rows_whose_sum_overflows_set_status(v):
+    """Finite entries whose float32 sum passes 3.4e38 cannot be drawn from: flagged, not drawn
+    against an infinite total. Large entries with a finite sum are a valid row."""
+    probs = torch.zeros(3, 2, v)
+    probs[:, :, :4] = torch.tensor([1e38, 3e38, 2e38, 1e37])  # sum 6.1e38: overflows
+    probs[1, 0, 1] = 0.0  # 1.1e38 in all: valid
+    probs[2, 0, :4] = torch.tensor([0, 3e38, 0, 0])  # accepts token 1, then meets the overflow
+    tokens = torch.tensor([[0, 1]] * 3, dtype=torch.int32)
+    res = ops.verify(probs, tokens, target_is_logits=False, seed=0, offset=0)
+    assert res.status.tolist() == [ops.STATUS_NON_FINITE, 0, ops.STATUS_NON_FINITE]
+    assert res.num_emitted.tolist()[0] == 0 and res.num_emitted.tolist()[2] == 1
+    assert res.emitted[2, 0].item() == 1
+    first = probs[:, 0].contiguous()
+    sp = ops.sampling_probs(first, 1.0, target_is_logits=False)
+    assert sp.status.tolist() == [ops.STATUS_NON_FINITE, 0, 0]
+    torch.testing.assert_close(sp.probs[1, :4], torch.tensor([1e38, 0, 2e38, 1e37]) / 3.1e38)
+    # Top-k that leaves a finite sum is a valid row; greedy reads only the argmax.
+    assert ops.sampling_probs(first[:1], 1.0, 2, target_is_logits=False).status.tolist() == [
+        ops.STATUS_NON_FINITE
+    ]
+    assert ops.sampling_probs(first[:1], 1.0, 1, target_is_logits=False).status.tolist() == [0]
+    greedy = ops.verify(probs, tokens, target_is_logits=False, temperature=0.0, seed=0, offset=0)
+    assert greedy.status.tolist() == [0, 0, 0]
+
+
 def test_padding_and_variable_lengths():
     b, n, v = 3, 5, 10
     logits = torch.randn(b, n, v)

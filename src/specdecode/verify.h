@@ -76,7 +76,8 @@ enum Method : int32_t {
 // Bits of the per-sequence status. The low bits flag data the walk met (the sequence's outputs
 // stop at that node); the high bits are caller errors the Python layer turns into ValueError.
 enum StatusBits : int32_t {
-  kNonFiniteTarget = 1,  // NaN/+Inf logit, or NaN/Inf/negative probability, in a target row read
+  kNonFiniteTarget = 1,  // NaN/+Inf logit, NaN/Inf/negative probability or a probability row
+                         // whose float32 sum overflows, in a target row read
   kZeroMassTarget = 2,   // a target row read has no mass (all -inf logits / all-zero probabilities)
   kBadDraftRow = 4,      // NaN/Inf/negative draft probability met
   kBadTree = 16,         // invalid parents row, or num_nodes outside [1, nodes of the tree]
@@ -873,6 +874,12 @@ SD_HOST_DEVICE RowState prepare_row(Ex& ex, const T* row, int64_t n, const SeqPa
   }
   if (top_k) st.kth = ex.kth_largest(n, load, sp.top_k);
   float total = ex.chunk_sums(n, row_weight_of(row, sp.inv_temp, st), 0);
+  // Logit weights are at most 1 each, so only a probability row's sum can overflow: its draws
+  // would compare against an infinite total, so the row is flagged like an infinite entry.
+  if (!logits && !(total < kInf)) {
+    st.status = kNonFiniteTarget;
+    return st;
+  }
   if (sp.top_p < 1.f) {
     const float wanted = fmul(sp.top_p, total);
     const RowWeight<T> weight = row_weight_of(row, sp.inv_temp, st);

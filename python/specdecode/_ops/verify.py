@@ -568,9 +568,9 @@ def verify(
         float32, float16 or bfloat16 ``[B, N, V]``, contiguous, ``1 <= N <= 1024``,
         ``1 <= V <= 524288``: row ``[b, i]`` is the target's distribution for the child of node
         ``i`` (logits, or probabilities when ``target_is_logits=False``; probabilities need not
-        be normalised exactly, they are renormalised, but their float32 sum must be finite and
-        they should be normal floats: a row summing past 3.4e38 or of subnormal values around
-        1e-45 loses the precision its draws need).
+        be normalised exactly, they are renormalised; a row whose float32 sum overflows
+        (past 3.4e38) sets :data:`STATUS_NON_FINITE`, and rows of subnormal values around 1e-45
+        lose the precision their draws need).
     tokens : torch.Tensor or array-like
         int32 or int64 ``[B, N]``: the draft token of each node; ``tokens[b, 0]`` (the root) is
         not read, the tokens of valid nodes must be in ``[0, V)``, padding is ignored.
@@ -857,7 +857,7 @@ def sampling_probs(
     logits : torch.Tensor or array-like
         float32, float16 or bfloat16 ``[B, V]``, contiguous, V <= :data:`MAX_VOCAB`
         (probabilities when ``target_is_logits=False``: non-negative, a positive total that
-        is finite in float32).
+        is finite in float32; a row whose sum overflows sets :data:`STATUS_NON_FINITE`).
     temperature, top_k, top_p : scalar or array-like [B]
         As in :func:`verify` (temperature 0 = one-hot argmax; with probability inputs 0 or 1).
     target_is_logits : bool
