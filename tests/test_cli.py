@@ -146,6 +146,33 @@ def test_device_errors(command, capsys):
         assert "torch sees no CUDA device" in _one_clean_line(code, err)
 
 
+@pytest.mark.parametrize("command", [["demo"], ["generate", "x"]])
+@pytest.mark.parametrize("spec", ["cpu:1", "cpu:3"])
+def test_device_cpu_index_other_than_0_is_an_error(command, spec, capsys):
+    code, out, err = run_main([*command, "--device", spec], capsys)
+    line = _one_clean_line(code, err)
+    assert line.startswith(f"specdecode {command[0]}: error: argument --device: ")
+    assert f"torch has one CPU device, cpu (or cpu:0); got {spec!r}" in line
+    assert out == ""
+
+
+def test_device_cpu_0_is_the_cpu():
+    parser = cli.build_parser()
+    for spec in ("cpu", "cpu:0"):
+        assert parser.parse_args(["generate", "x", "--device", spec]).device == "cpu"
+        assert parser.parse_args(["demo", "--device", spec]).device == "cpu"
+    assert cli._device_option("cpu:0") == torch.device("cpu")
+    with pytest.raises(cli.CLIError, match="--device: torch has one CPU device"):
+        cli._device_option("cpu:2")  # a direct caller gets the same check
+
+
+def test_device_cuda_index_beyond_the_gpus_torch_sees(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(cli.CLIError, match=r"--device cuda:2: torch sees 2 CUDA device\(s\)"):
+        cli._device_option("cuda:2")
+
+
 @pytest.mark.cuda
 @requires_cuda
 @requires_pycode

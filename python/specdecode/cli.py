@@ -526,26 +526,48 @@ def format_table(rows: Sequence[DemoRow], baseline: DemoRow) -> str:
     return "\n".join(lines)
 
 
+def _device(text: str) -> str:
+    """``--device`` as argparse parses it: ``cpu`` (``cpu:0`` is the same, torch has one CPU
+    device), ``cuda`` or ``cuda:N``, returned in torch's spelling (``cpu:0`` as ``cpu``). Whether
+    torch sees that GPU is checked when the command runs (:func:`_device_option`)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device (cpu, cuda or cuda:N)"
+        ) from None
+    if device.type == "cpu":
+        if device.index not in (None, 0):
+            raise argparse.ArgumentTypeError(
+                f"torch has one CPU device, cpu (or cpu:0); got {text!r}"
+            )
+        return "cpu"
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return str(device)
+
+
 def _device_option(spec: str) -> Any:
     """``--device``: a torch device the models and the kernels can run on.
 
     Raises
     ------
     CLIError
-        An unparsable device, a GPU that torch does not see, or a build without CUDA kernels.
+        An unparsable device, a CPU index other than 0, a GPU that torch does not see, or a
+        build without CUDA kernels.
     """
     import torch
 
     from ._info import info
 
     try:
-        device = torch.device(spec)
-    except (RuntimeError, ValueError):
-        raise CLIError(f"--device: {spec!r} is not a device (cpu, cuda or cuda:N)") from None
+        device = torch.device(_device(spec))
+    except argparse.ArgumentTypeError as exc:
+        raise CLIError(f"--device: {exc}") from None
     if device.type == "cpu":
         return device
-    if device.type != "cuda":
-        raise CLIError(f"--device: expected cpu, cuda or cuda:N, got {spec!r}")
     if not torch.cuda.is_available():
         raise CLIError(f"--device {spec}: torch sees no CUDA device here")
     if device.index is not None and device.index >= torch.cuda.device_count():
@@ -561,8 +583,10 @@ def _device_option(spec: str) -> Any:
 def _add_device_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
+        type=_device,
         default="cpu",
-        help="where the models and kernels run: cpu (default), cuda or cuda:N",
+        help="where the models and kernels run: cpu (default; cpu:0 is the same device), cuda "
+        "or cuda:N (a GPU torch sees, with a build of specdecode that has CUDA kernels)",
     )
 
 
