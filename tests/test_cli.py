@@ -394,6 +394,16 @@ def test_bad_arguments_fail_with_one_line(argv, expected, capsys):
     assert expected in line, line
 
 
+def test_empty_prompt_is_an_error(monkeypatch, capsys):
+    code, out, err = run_main(["generate", ""], capsys)
+    assert "PROMPT: empty; give some text" in _one_clean_line(code, err)
+    assert out == ""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    code, out, err = run_main(["generate", "-"], capsys)
+    assert "PROMPT: '-' read no text from stdin" in _one_clean_line(code, err)
+    assert out == ""
+
+
 @requires_pycode
 def test_directory_errors(tiny_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()

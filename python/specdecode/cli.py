@@ -368,10 +368,29 @@ class Streamer:
         return self.codec.decode(self.ids)
 
 
+def _read_prompt(spec: str) -> str:
+    """PROMPT's text: ``spec`` itself, or stdin for ``-``.
+
+    Raises
+    ------
+    CLIError
+        An empty prompt (or empty stdin): there is no text to continue, and tokenizers that add
+        no begin-of-sequence token would give no token at all.
+    """
+    if spec != "-":
+        if not spec:
+            raise CLIError("PROMPT: empty; give some text to continue (or '-' to read stdin)")
+        return spec
+    text = sys.stdin.read()
+    if not text:
+        raise CLIError("PROMPT: '-' read no text from stdin; give some text to continue")
+    return text
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.drafter not in DRAFTERS:  # argparse checks choices; kept for direct callers
         raise CLIError(f"--drafter: unknown drafter {args.drafter!r}")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_prompt(args.prompt)
     threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
     device = _device_option(args.device)
     loaded = load_model(args.model)
