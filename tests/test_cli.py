@@ -404,6 +404,18 @@ def test_empty_prompt_is_an_error(monkeypatch, capsys):
     assert out == ""
 
 
+@pytest.mark.parametrize("drafter", [None, "cacheback", "none"])
+def test_draft_model_with_a_drafter_without_one_is_an_error(drafter, tmp_path, capsys):
+    argv = ["generate", "x", "--draft-model", str(tmp_path)]
+    argv += [] if drafter is None else ["--drafter", drafter]
+    code, out, err = run_main(argv, capsys)
+    line = _one_clean_line(code, err)
+    assert f"--draft-model: not used by --drafter {drafter or 'cacheback'}" in line, line
+    assert "model, model-tree, combined" in line and out == ""
+    with pytest.raises(cli.CLIError, match="--draft-model: not used by --drafter"):
+        cli.make_drafter(drafter or "cacheback", None, str(tmp_path), 3)
+
+
 @requires_pycode
 def test_directory_errors(tiny_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()

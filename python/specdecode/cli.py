@@ -9,8 +9,9 @@
   the statistics on stderr.
 * ``specdecode info`` reports the version, backends and devices.
 
-User errors (a missing model directory, an unknown zoo name or drafter, a prompt too long for the
-model, bad numeric options) print one line on stderr and exit with code 2, without a traceback.
+User errors (a missing model directory, an unknown zoo name or drafter, an empty prompt or one too
+long for the model, a --draft-model the drafter does not use, bad numeric options or devices)
+print one line on stderr and exit with code 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 
 DRAFTERS = ("none", "cacheback", "model", "model-tree", "combined")
+# The drafters that run a draft model (the zoo pair's, or --draft-model's).
+MODEL_DRAFTERS = ("model", "model-tree", "combined")
 
 # Stdlib-style function headers and docstrings: the kind of text the pycode pair was trained on,
 # and text whose continuations repeat identifiers, which is where drafting pays.
@@ -278,12 +281,14 @@ def make_drafter(kind: str, loaded: LoadedModel, draft_dir: Optional[str], k: in
     Raises
     ------
     CLIError
-        An unknown drafter, or a model drafter with no draft model.
+        An unknown drafter, a model drafter with no draft model, or ``draft_dir`` given to a
+        drafter that runs no draft model.
     """
     from .drafters import CachebackDrafter, ModelDrafter, NoDrafter
 
     if kind not in DRAFTERS:
         raise CLIError(f"--drafter: unknown drafter {kind!r} (choose from {', '.join(DRAFTERS)})")
+    _check_draft_model_option(kind, draft_dir)
     if kind == "none":
         return NoDrafter()
     if kind == "cacheback":
@@ -307,6 +312,16 @@ def make_drafter(kind: str, loaded: LoadedModel, draft_dir: Optional[str], k: in
     if kind == "combined":
         return combined_drafter(draft, k)
     return ModelDrafter(draft, mode="tree", k=k, branch=2, beam=4, max_nodes=16)
+
+
+def _check_draft_model_option(kind: str, draft_dir: Optional[str]) -> None:
+    """``--draft-model`` only with a drafter that runs a draft model: ignoring it would decode
+    with another method than the user asked for."""
+    if draft_dir is not None and kind not in MODEL_DRAFTERS:
+        raise CLIError(
+            f"--draft-model: not used by --drafter {kind} (only by --drafter "
+            f"{', '.join(MODEL_DRAFTERS)}); drop one of the two options"
+        )
 
 
 def combined_drafter(draft: Any, k: int) -> Any:
@@ -390,6 +405,7 @@ def _read_prompt(spec: str) -> str:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.drafter not in DRAFTERS:  # argparse checks choices; kept for direct callers
         raise CLIError(f"--drafter: unknown drafter {args.drafter!r}")
+    _check_draft_model_option(args.drafter, args.draft_model)
     prompt = _read_prompt(args.prompt)
     threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
     device = _device_option(args.device)
@@ -825,7 +841,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         default=None,
         help="draft model directory for --drafter model/model-tree/combined (default: the zoo "
-        "pair's)",
+        "pair's); an error with the other drafters",
     )
     p_gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="(default 128)")
     p_gen.add_argument(
