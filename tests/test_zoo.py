@@ -436,3 +436,102 @@ def test_chain_stats_of_a_model_against_itself_accept_everything():
     stats = zeval.chain_stats(model, Shifted(), prompts, 20, ks=(4,))
     assert stats["greedy_agreement_on_target_text"] == pytest.approx(want)
     assert stats["4"]["mean_accepted"] < 4.0
+
+
+# ----------------------------------------------------------------------------- path errors
+
+
+def _one_line_exit_2(main, argv: list, capsys) -> str:
+    """``main(argv)`` ends with exit code 2 and one ``PROG: error:`` line, no traceback."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and ": error: " in lines[0], err
+    return lines[0]
+
+
+@pytest.fixture
+def run_final(tmp_path) -> Path:
+    """A stand-in for a training run's ``final/``: a tiny model, tokenizer bytes and manifest."""
+    final = tmp_path / "run" / "final"
+    torch.manual_seed(0)
+    ztrain.build_model(ztrain.MODEL_PRESETS["tiny"]).save_pretrained(str(final))
+    (final / ztrain.TOKENIZER_NAME).write_bytes(b"tokenizer")
+    (final / zcorpus.MANIFEST_NAME).write_text("{}\n")
+    return final
+
+
+@pytest.fixture
+def locked(monkeypatch):
+    """``locked(path)``: ``os.access`` reports ``path`` as not writable (permission bits alone
+    cannot do that for root, who runs the tests in some environments)."""
+    import os
+
+    real = os.access
+    paths = set()
+
+    def access(path, mode, *args, **kwargs):
+        if mode & os.W_OK and Path(path).resolve() in paths:
+            return False
+        return real(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+    return lambda path: paths.add(Path(path).resolve())
+
+
+def test_export_path_errors_are_one_line(run_final, tmp_path, capsys, locked):
+    from specdecode.zoo import export as zexport
+
+    def export(target, draft, out) -> str:
+        argv = ["--target", str(target), "--draft", str(draft), "--out", str(out)]
+        return _one_line_exit_2(zexport.main, argv, capsys)
+
+    out = tmp_path / "pair"
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    line = export(tmp_path / "nope", run_final, out)
+    assert line.startswith("python -m specdecode.zoo.export: error: target directory")
+    assert "does not exist" in line
+    assert "draft directory" in export(run_final, tmp_path / "file", out)
+    assert "is not a directory" in export(run_final, tmp_path / "file", out)
+    line = export(tmp_path / "empty", run_final, out)
+    assert "has no config.json, tokenizer.model, corpus_manifest.json" in line
+    assert "is not a directory" in export(run_final, run_final, tmp_path / "file")
+    line = export(run_final, run_final, tmp_path / "file" / "pair")
+    assert f"cannot be created: {tmp_path / 'file'} is not a directory" in line
+    (tmp_path / "locked").mkdir()
+    locked(tmp_path / "locked")
+    line = export(run_final, run_final, tmp_path / "locked" / "pair")
+    assert f"is not writable (in {tmp_path / 'locked'})" in line
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("config.json", "model.safetensors", ztrain.TOKENIZER_NAME):
+        (other / name).write_bytes((run_final / name).read_bytes())
+    (other / ztrain.TOKENIZER_NAME).write_bytes(b"another tokenizer")
+    assert "different tokenizers" in export(run_final, other, out)
+    (other / ztrain.TOKENIZER_NAME).write_bytes(b"tokenizer")
+    (other / "model.safetensors").unlink()
+    assert "model.safetensors" in export(run_final, other, out)
+    assert not out.exists()  # every error came before anything was written
+
+    # The library function raises what the command reports.
+    with pytest.raises(FileNotFoundError, match="target directory .* does not exist"):
+        zexport.export_pair(tmp_path / "nope", run_final, out, torch.float16)
+    with pytest.raises(ValueError, match="output directory .* is not a directory"):
+        zexport.export_pair(run_final, run_final, tmp_path / "file", torch.float16)
+    with pytest.raises(ValueError, match="model directory .* is not a directory"):
+        zexport.export_model(tmp_path / "file", out / "target", torch.float16)
+
+
+def test_export_of_valid_runs_writes_the_pair(run_final, tmp_path, capsys):
+    from specdecode.zoo import export as zexport
+
+    out = tmp_path / "new" / "pair"
+    argv = ["--target", str(run_final), "--draft", str(run_final), "--out", str(out)]
+    assert zexport.main(argv) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out}")
+    for name in ("target/config.json", "draft/model.safetensors", "tokenizer.model"):
+        assert (out / name).is_file(), name
+    assert (out / zcorpus.MANIFEST_NAME).read_text() == "{}\n"

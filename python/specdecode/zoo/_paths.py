@@ -1,0 +1,124 @@
+"""Checks of the paths the zoo's commands read and write, before any work is done.
+
+Each check returns the path or raises ``FileNotFoundError`` (something that should be there is
+not) or ``ValueError`` (it is there but of the wrong kind, or cannot be written), with a message
+that names ``what`` the path is for; :func:`exit_with_error` turns them into the one-line error of
+a command.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+# argparse's exit code for a usage error, which a bad path given on the command line is too.
+EXIT_USAGE = 2
+
+
+def existing_dir(path: Path, what: str, files: Sequence[str] = ()) -> Path:
+    """``path``, a directory that holds each of ``files``.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``path`` does not exist, or one of ``files`` is missing from it.
+    ValueError
+        ``path`` is not a directory.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"{what} {path} is not a directory")
+    missing = [name for name in files if not (path / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{what} {path} has no {', '.join(missing)}")
+    return path
+
+
+def existing_file(path: Path, what: str) -> Path:
+    """``path``, an existing file.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``path`` does not exist.
+    ValueError
+        ``path`` is a directory or another non-file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{what} {path} is not a file")
+    return path
+
+
+def writable_dir(path: Path, what: str) -> Path:
+    """``path``, a writable directory or one that can be created (with its missing parents).
+
+    Raises
+    ------
+    ValueError
+        ``path`` or its nearest existing ancestor is not a directory, or cannot be written.
+    """
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{what} {path} is not a directory")
+        _check_writable(path, what, path)
+        return path
+    ancestor = _nearest_existing(path)
+    if not ancestor.is_dir():
+        raise ValueError(f"{what} {path} cannot be created: {ancestor} is not a directory")
+    _check_writable(ancestor, what, path)
+    return path
+
+
+def writable_file(path: Path, what: str) -> Path:
+    """``path``, a file that can be written: an existing writable file, or a new one in an
+    existing writable directory.
+
+    Raises
+    ------
+    FileNotFoundError
+        The directory of ``path`` does not exist.
+    ValueError
+        ``path`` is a directory, or ``path`` or its directory cannot be written.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a directory")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{what} {path} is not writable")
+        return path
+    parent = path.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"{what} {path}: the directory {parent} does not exist")
+    _check_writable(parent, what, path)
+    return path
+
+
+def exit_with_error(prog: str, exc: Exception) -> NoReturn:
+    """Ends the command ``prog`` with exit code 2, as argparse does on a usage error, and one
+    line ``PROG: error: MESSAGE`` on stderr (no traceback, no usage block)."""
+    sys.stderr.write(f"{prog}: error: {exc}\n")
+    raise SystemExit(EXIT_USAGE)
+
+
+def _nearest_existing(path: Path) -> Path:
+    # A relative path's chain ends at "." (the working directory), which exists.
+    for ancestor in path.parents:
+        if ancestor.exists():
+            return ancestor
+    return Path(".")
+
+
+def _check_writable(directory: Path, what: str, path: Path) -> None:
+    # Creating an entry needs write and search permission on the directory.
+    if not os.access(directory, os.W_OK | os.X_OK):
+        where = "" if directory == path else f" (in {directory})"
+        raise ValueError(f"{what} {path} is not writable{where}")
