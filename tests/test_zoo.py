@@ -535,3 +535,56 @@ def test_export_of_valid_runs_writes_the_pair(run_final, tmp_path, capsys):
     for name in ("target/config.json", "draft/model.safetensors", "tokenizer.model"):
         assert (out / name).is_file(), name
     assert (out / zcorpus.MANIFEST_NAME).read_text() == "{}\n"
+
+
+def test_train_path_errors_are_one_line(run_final, tmp_path, capsys, locked):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    base = ["--model", "tiny", "--seq-len", "32", "--run-dir"]
+    line = _one_line_exit_2(ztrain.main, [*base, str(tmp_path / "file")], capsys)
+    assert line == f"{ztrain.PROG}: error: --run-dir {tmp_path / 'file'} is not a directory"
+    line = _one_line_exit_2(ztrain.main, [*base, str(tmp_path / "file" / "run")], capsys)
+    assert "--run-dir" in line and "cannot be created" in line
+    run = str(tmp_path / "new")
+    for extra, expected in (
+        (["--data-dir", str(tmp_path / "file")], "--data-dir"),
+        (["--corpus-root", str(tmp_path / "nope")], "--corpus-root"),
+        (["--init-from", str(tmp_path / "empty")], "--init-from"),
+        (["--distill-from", str(tmp_path / "nope")], "--distill-from"),
+    ):
+        line = _one_line_exit_2(ztrain.main, [*base, run, *extra], capsys)
+        assert expected in line, line
+    locked(tmp_path / "empty")
+    line = _one_line_exit_2(ztrain.main, [*base, str(tmp_path / "empty")], capsys)
+    assert "is not writable" in line
+    assert not (tmp_path / "new").exists()
+
+    with pytest.raises(FileNotFoundError, match="corpus root .* does not exist"):
+        zcorpus.Corpus.collect(tmp_path / "nope")
+    with pytest.raises(ValueError, match="data directory .* is not a directory"):
+        ztrain.prepare_data(tmp_path / "file", 512, tmp_path / "empty")
+
+
+@needs_pair
+def test_evaluate_path_errors_are_one_line(run_final, tmp_path, capsys):
+    (tmp_path / "heldout.npy").write_text("not numpy")
+    good = {
+        "--target": run_final,
+        "--draft": run_final,
+        "--tokenizer": zoo.path(PAIR) / ztrain.TOKENIZER_NAME,
+        "--heldout": tmp_path / "heldout.npy",
+    }
+    for option, value, expected in (
+        ("--target", tmp_path / "nope", "does not exist"),
+        ("--draft", run_final / "config.json", "is not a directory"),
+        ("--tokenizer", run_final, "is not a file"),
+        ("--heldout", tmp_path / "nope.npy", "does not exist"),
+        ("--out", tmp_path / "nope" / "eval.json", f"the directory {tmp_path / 'nope'} does not"),
+        ("--out", tmp_path, "is a directory"),
+        ("--tokenizer", tmp_path / "heldout.npy", "is not a sentencepiece model"),
+        ("--heldout", run_final / "config.json", "is not a .npy token stream"),
+    ):
+        argv = [str(x) for kv in {**good, option: value}.items() for x in kv]
+        line = _one_line_exit_2(zeval.main, argv, capsys)
+        assert line.startswith(f"python -m specdecode.zoo.evaluate: error: {option} ")
+        assert expected in line, line

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
+from ._paths import existing_dir
+
 EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 )
@@ -92,8 +94,16 @@ class Corpus:
 
     @classmethod
     def collect(cls, root: Optional[Path] = None) -> Corpus:
-        """Scan ``root`` (default: this interpreter's stdlib) and hash every file."""
-        root = stdlib_root() if root is None else Path(root).resolve()
+        """Scan ``root`` (default: this interpreter's stdlib) and hash every file.
+
+        Raises
+        ------
+        FileNotFoundError
+            ``root`` does not exist.
+        ValueError
+            ``root`` is not a directory.
+        """
+        root = stdlib_root() if root is None else existing_dir(root, "corpus root").resolve()
         files = []
         for rel in iter_source_paths(root):
             data = (root / rel).read_bytes()

@@ -21,11 +21,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from ._paths import existing_dir, existing_file, exit_with_error, writable_file
 from .tokenizer import Tokenizer
 
 SAMPLE_PROMPTS = (
@@ -173,9 +174,55 @@ def heldout_windows_all(stream: np.ndarray, seq: int) -> torch.Tensor:
     return torch.stack([t[i * seq : i * seq + seq + 1] for i in range(n)])
 
 
-def main(argv=None) -> int:
+def check_paths(args: argparse.Namespace) -> None:
+    """The paths of the command line, before any work is done.
+
+    Raises
+    ------
+    FileNotFoundError
+        An input does not exist, a model directory holds no ``config.json``, or the directory of
+        ``--out`` does not exist.
+    ValueError
+        An input is of the wrong kind (a file for a directory or the reverse), or ``--out``
+        cannot be written.
+    """
+    existing_dir(args.target, "--target", ("config.json",))
+    existing_dir(args.draft, "--draft", ("config.json",))
+    existing_file(args.tokenizer, "--tokenizer")
+    existing_file(args.heldout, "--heldout")
+    if args.out is not None:
+        writable_file(args.out, "--out")
+
+
+def load_inputs(
+    args: argparse.Namespace,
+) -> Tuple[torch.nn.Module, torch.nn.Module, Tokenizer, np.ndarray]:
+    """Target, draft (float32, eval mode), tokenizer and held-out token stream of ``args``.
+
+    Raises
+    ------
+    FileNotFoundError, ValueError
+        As :func:`check_paths`, or a model, the tokenizer or the stream cannot be loaded.
+    """
     from ..models import Transformer
 
+    check_paths(args)
+    target = Transformer.from_pretrained(str(args.target), dtype=torch.float32).eval()
+    draft = Transformer.from_pretrained(str(args.draft), dtype=torch.float32).eval()
+    try:
+        tok = Tokenizer(args.tokenizer)
+    except RuntimeError as exc:  # sentencepiece's error for a file it cannot parse
+        raise ValueError(
+            f"--tokenizer {args.tokenizer} is not a sentencepiece model: {exc}"
+        ) from None
+    try:
+        stream = np.load(args.heldout)
+    except ValueError as exc:
+        raise ValueError(f"--heldout {args.heldout} is not a .npy token stream: {exc}") from None
+    return target, draft, tok, stream
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m specdecode.zoo.evaluate", description=__doc__)
     p.add_argument("--target", type=Path, required=True)
     p.add_argument("--draft", type=Path, required=True)
@@ -192,10 +239,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = Transformer.from_pretrained(str(args.target), dtype=torch.float32).eval()
-    draft = Transformer.from_pretrained(str(args.draft), dtype=torch.float32).eval()
-    tok = Tokenizer(args.tokenizer)
-    stream = np.load(args.heldout)
+    try:
+        target, draft, tok, stream = load_inputs(args)
+    except (ValueError, OSError) as exc:
+        exit_with_error(p.prog, exc)
     windows = heldout_windows_all(stream, args.seq_len)[: args.max_windows]
     result: Dict = {"pair": pair_stats(target, draft, windows)}
     # Prompts: evenly spaced held-out windows' first prompt-len tokens.

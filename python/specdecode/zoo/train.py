@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ._paths import existing_dir, exit_with_error, writable_dir
 from .corpus import MANIFEST_NAME, Corpus
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_sentencepiece
 
@@ -85,6 +86,7 @@ MODEL_PRESETS: Dict[str, Dict] = {
 }
 
 TOKENIZER_NAME = "tokenizer.model"
+PROG = "python -m specdecode.zoo.train"
 
 
 def flops_per_token(cfg: Dict, context: int) -> int:
@@ -132,8 +134,15 @@ def prepare_data(
 
     Each file contributes ``[bos] + tokens + [eos]``; the train and held-out streams are the
     concatenations over the files of each split, as uint16 (vocab <= 65536).
+
+    Raises
+    ------
+    FileNotFoundError
+        ``corpus_root`` does not exist.
+    ValueError
+        ``data_dir`` cannot be created or written, or ``corpus_root`` is not a directory.
     """
-    data_dir.mkdir(parents=True, exist_ok=True)
+    writable_dir(data_dir, "data directory").mkdir(parents=True, exist_ok=True)
     tok_path = data_dir / TOKENIZER_NAME
     train_path, heldout_path = data_dir / "train.npy", data_dir / "heldout.npy"
     corpus = Corpus.collect(corpus_root)
@@ -302,7 +311,7 @@ def _log(msg: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m specdecode.zoo.train",
+        prog=PROG,
         description="Train a zoo model (target or draft) on the Python standard library's sources.",
     )
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), required=True)
@@ -345,8 +354,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def check_paths(args: argparse.Namespace) -> None:
+    """The directories of the command line, before any work is done.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``--corpus-root``, ``--init-from`` or ``--distill-from`` does not exist, or one of the
+        latter two holds no ``config.json``.
+    ValueError
+        ``--run-dir`` or ``--data-dir`` cannot be created or written, or a directory argument
+        is not a directory.
+    """
+    writable_dir(args.run_dir, "--run-dir")
+    if args.data_dir is not None:
+        writable_dir(args.data_dir, "--data-dir")
+    if args.corpus_root is not None:
+        existing_dir(args.corpus_root, "--corpus-root")
+    for option, directory in (
+        ("--init-from", args.init_from),
+        ("--distill-from", args.distill_from),
+    ):
+        if directory is not None:
+            existing_dir(directory, option, ("config.json",))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        check_paths(args)
+    except (ValueError, FileNotFoundError) as exc:
+        exit_with_error(PROG, exc)
     torch.set_num_threads(args.threads)
     run_dir: Path = args.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
