@@ -556,10 +556,12 @@ struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
   // rows take the tiles: at 16 rows the streaming path had been no faster than them (each row
   // reloads and converts the key: 16 vectors are all of AVX2's registers).
   static constexpr int kLaneRows = 8;
-  // The lane path hints the next block of the KV head half the item's heads on (lane_range_of).
-  // Against the head's own, alternating processes, T = 2 (session 21, bench/RESULTS.md): fp32
-  // took 3-8 % less time at B = 8 S = 4096, bf16 1-4 % less there and 2-9 % at B = 1.
-  static constexpr bool kLaneHintOtherHead = true;
+  // The streaming and lane paths hint the next values (lane path: also keys) of the KV head half
+  // the item's heads on (hinted_head). Against the head's own, alternating processes: T = 2 on
+  // the lane path (session 21, bench/RESULTS.md) took 3-8 % less time for fp32 at B = 8
+  // S = 4096, 1-4 % for bf16 there and 2-9 % at B = 1; T = 1 on the streaming path (session 24)
+  // 4-8 % for fp32 and 3-5 % for bf16 (B = 8 S = 4096, B = 1 S = 16384).
+  static constexpr bool kHintOtherHead = true;
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * kStreamKeys * 8 floats of scratch.
@@ -1120,9 +1122,9 @@ struct Avx512Kernels : lanes_avx512::LaneKernels<Avx512Kernels> {
   // 5-25 % faster than the tiles, which transpose every key block and read each KV head's keys
   // a 4 KiB page apart.
   static constexpr int kLaneRows = 16;
-  // The lane path hints each head's own next block (see lane_range_of): the other head's was
-  // measured on AVX2 only.
-  static constexpr bool kLaneHintOtherHead = false;
+  // The streaming and lane paths hint each head's own next block (see hinted_head): the other
+  // head's was measured on AVX2 only.
+  static constexpr bool kHintOtherHead = false;
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
   // heads * rows * 256 floats of scratch.
@@ -1797,6 +1799,17 @@ template <class K>
 bool use_lanes(const Shape& sh) {
   return K::kLaneRows > 0 && sh.rows > K::kStreamRows && sh.rows <= K::kLaneRows;
 }
+// The KV head whose next block is hinted during head h's work in the streaming and lane paths.
+// A head's rows of every position lie the same offset into a 4 KiB page ([Hkv = 8, D = 128]
+// rows), so its next block maps to the very L1 sets its current keys and values occupy, and
+// hints fill L1 on AMD cores: where K::kHintOtherHead, head h hints the block of head
+// h + heads / 2 (every head's next block is still hinted once per block, a few heads' work
+// earlier or later).
+template <class K>
+SD_FORCE_INLINE int hinted_head(int h, int heads) {
+  return K::kHintOtherHead ? (h + heads / 2) % heads : h;
+}
+
 // The prefix keys [begin, end) of the item's KV heads, read key-major in blocks of kStreamKeys:
 // scores of every query row (stream_scores), then per KV head the online-softmax update and P V
 // of the block. Same state and accumulator contract as attend_range.
@@ -1806,8 +1819,9 @@ bool use_lanes(const Shape& sh) {
 // previous block computes. The hardware prefetchers stop at every 4 KiB page, i.e. at every fp32
 // key row of [Hkv = 8, D = 128], so the next block is hinted into L2 in software: its keys by
 // this block's scores (NextKeys, one key row hinted per key row read), its values by this
-// block's P V (one line per line of V read). The requests are thus spread over both phases at a
-// steady rate. Measured on the 2-core Zen 4 VM, same-run A/Bs:
+// block's P V (one line per line of V read; head h's P V hints hinted_head(h)'s values). The
+// requests are thus spread over both phases at a steady rate. Measured on the 2-core Zen 4 VM,
+// same-run A/Bs:
 // - against a scheme that prefetched a block's values into L1 in a burst during its scores and
 //   left the keys to the hardware: T = 1 and 2 took 5-50 % less time from DRAM, most for bf16
 //   (the same hints into L1, or two blocks ahead, were not faster);
@@ -1842,7 +1856,7 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
         }
         K::template pv_stream<DT>(sh_rows, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
                                   o + static_cast<int64_t>(h) * rows * sh.d,
-                                  v + (j0 + n) * rs + h * hs, n_next);
+                                  v + (j0 + n) * rs + hinted_head<K>(h, heads) * hs, n_next);
       }
     }
   }
@@ -1854,12 +1868,9 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
 // block is hinted into L2 as in stream_range: a head's keys before its scores, its values during
 // its P V. Against hinting both during the P V, from DRAM, alternating processes (session 12,
 // bench/results/attention_s12_lane_next_keys.txt): bf16 T = 4 at B = 8, S = 4096 took 15-16 %
-// less time, T = 2 2-15 % less (fp32 and bf16), T = 3 and fp32 T = 4 within 3 %. Where
-// K::kLaneHintOtherHead, the block hinted during head h's work is that of head h + heads / 2
-// (each head's next block is still hinted once, a few heads' work earlier or later): a head's
-// rows of every position lie the same offset into a 4 KiB page, so its next block maps to the
-// very L1 sets its current keys and values occupy, and hints fill L1 on AMD cores. Same state
-// and accumulator contract as attend_range.
+// less time, T = 2 2-15 % less (fp32 and bf16), T = 3 and fp32 T = 4 within 3 %. The block
+// hinted during head h's work is that of hinted_head(h). Same state and accumulator contract as
+// attend_range.
 template <class K, AttnDType DT, class L>
 void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
                    const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws,
@@ -1886,7 +1897,7 @@ void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<
       // The hinted head's next keys are hinted before this head's scores, its next values during
       // this head's P V (as in stream_range, one burst here: the lane scores of a head take as
       // long as its P V).
-      const int hinted = K::kLaneHintOtherHead ? (h + heads / 2) % heads : h;
+      const int hinted = hinted_head<K>(h, heads);
       for (int j = 0; j < n_next; ++j) next.hint(j, hinted, row_bytes);
       K::template lane_block<DT, L>(ws.qt + h * words * L::kW, d, rows, k + j0 * rs + h * hs, rs, n,
                                     a.scale * kLog2e, ws.kt, ws.lane_ml + h * 2 * kLanes, ws.sall,
