@@ -31,7 +31,14 @@ from specdecode._ops import attention as attention_module
 from specdecode._ops import tree as tree_module
 from specdecode._ops import verify as verify_module
 from specdecode.drafters import CachebackDrafter, ModelDrafter
-from test_ops_attention import TOL, all_halves, convert_16bit, floats_around_halves, make_case
+from test_ops_attention import (
+    TOL,
+    all_halves,
+    convert_16bit,
+    floats_around_halves,
+    make_case,
+    poison_key,
+)
 from test_ops_attention import random_parents as random_attention_parents
 from test_ops_verify import backend_parity_cases, final_draw_cases, seeds, tree_limit_cases
 
@@ -468,6 +475,27 @@ def test_tree_attention_takes_the_tensor_cores_where_it_can(dtype, strided, capa
     assert (out.double() - ref_out).abs().max().item() <= TOL[dtype]
     assert (out.float() - cpu_out.float()).abs().max().item() <= TOL[dtype]
     assert (lse - cpu_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "t,prefix,where", [(1, 700, "prefix"), (9, 150, "prefix"), (9, 150, "tree")]
+)
+def test_tree_attention_non_finite_scores_make_the_same_nan_rows(dtype, t, prefix, where):
+    """A +inf score: the CUDA-core kernel (fp32) and the tensor-core kernel (bf16), split in 3,
+    give NaN in the same rows as the CPU (the merge kernels keep the NaN), the rest equal."""
+    q, k, v, lens, _ = make_case(2, t, 8, 2, 64, prefix, seed=4)
+    poison_key(k, q, 0, prefix // 3 if where == "prefix" else prefix + t - 1, 1)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    cpu_out, cpu_lse = ops.tree_attention(q, k, v, lens, None, return_lse=True)
+    emu.reset_stats()
+    with on_emulator(splits=3):
+        out, lse = ops.tree_attention(q, k, v, lens, None, return_lse=True)
+    assert (emu.stats()["mmas"] > 0) == (dtype == torch.bfloat16)
+    nan = cpu_lse.isnan()
+    assert bool(nan.any()) and torch.equal(lse.isnan(), nan)
+    assert torch.equal(out.isnan().all(-1), nan) and not bool(out[~nan].isnan().any())
+    assert (out[~nan].float() - cpu_out[~nan].float()).abs().max().item() <= TOL[dtype]
 
 
 @pytest.mark.parametrize("t,prefix", [(1, 500), (5, 37), (9, 0), (64, 70)])

@@ -316,6 +316,38 @@ def test_arbitrary_mask_bits_beyond_t_are_ignored(isa):
     check(q, k, v, lens, mask)
 
 
+def poison_key(k: torch.Tensor, q: torch.Tensor, b: int, pos: int, kvh: int) -> None:
+    """Sets element 0 of key (b, pos, kvh) to +inf with every query's element 0 positive, so that
+    every query row of KV head kvh that sees the key scores +inf (q . k overflows the same way)."""
+    q[..., 0] = q[..., 0].abs() + 0.5
+    k[b, pos, kvh, 0] = math.inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "t,prefix", [(1, 40), (1, 3000), (2, 3000), (4, 9000), (16, 600), (64, 70)]
+)
+@pytest.mark.parametrize("where", ["prefix", "tree"])
+def test_a_non_finite_score_makes_its_rows_nan_in_every_split(isa, dtype, t, prefix, where):
+    """A +inf score makes the rows that see it NaN (output and lse), as a dense softmax does,
+    whichever split of the prefix or the tree holds the key; a split whose lse were -inf would
+    drop the key and give a finite row. The other rows match the reference."""
+    q, k, v, lens, gen = make_case(2, t, 8, 2, 64, prefix, seed=3)
+    pos = prefix // 3 if where == "prefix" else prefix + t - 1
+    poison_key(k, q, 0, pos, 1)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out, lse = ops.tree_attention(q, k, v, lens, None, return_lse=True)
+    # Rows that see the key: KV head 1 (query heads 4-7) of sequence 0; a tree key only from its
+    # own chain position on.
+    seen = torch.zeros(2, t, 8, dtype=torch.bool)
+    seen[0, (slice(None) if where == "prefix" else slice(t - 1, t)), 4:] = True
+    assert bool(out[seen].isnan().all()) and bool(lse[seen].isnan().all())
+    assert bool(out[~seen].isfinite().all()) and bool(lse[~seen].isfinite().all())
+    ref_out, ref_lse = tree_attention_ref(q, k, v, lens, None)
+    assert (out[~seen].double() - ref_out[~seen]).abs().max().item() <= TOL[dtype]
+    assert (lse[~seen].double() - ref_lse[~seen]).abs().max().item() <= 1e-3
+
+
 def test_lse_merge_matches_one_pass_over_the_dense_mask():
     # The prefix and tree parts are merged with the log-sum-exp rule; the result must equal one
     # softmax over the union (checked through the dense-mask reference on a hand-made mask).

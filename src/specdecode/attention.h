@@ -11,7 +11,9 @@
 // the masked tree part, and how KV splits are combined (flash-decoding).
 //
 // A row that sees no key at all (empty prefix and an all-zero mask row) has l = 0; it finishes
-// as o = 0, lse2 = -inf, and merges as the identity.
+// as o = 0, lse2 = -inf, and merges as the identity. A +inf or NaN score (non-finite q or K) makes
+// l NaN (2^(inf - inf)); such a partial finishes as o = NaN, lse2 = NaN, and NaN spreads through
+// every merge, so the row is NaN as with a dense softmax, whichever split holds the key.
 #pragma once
 
 #include <cmath>
@@ -54,9 +56,11 @@ SD_HD_INLINE float softmax_rescale(SoftmaxState* state, float block_max) {
 }
 
 // Finishes a state: the accumulator is scaled by *inv_l (0 for a row that saw nothing) and the
-// return value is lse2 = m + log2(l) (-inf for a row that saw nothing).
+// return value is lse2 = m + log2(l) (-inf for a row that saw nothing). A NaN l (a +inf or NaN
+// score) gives a NaN factor and lse2: were it taken for an empty row, its -inf lse2 would give
+// the split weight 0 in a merge and the non-finite key would vanish from the result.
 SD_HD_INLINE float softmax_finish(SoftmaxState state, float* inv_l) {
-  if (!(state.l > 0.0f)) {
+  if (state.l == 0.0f) {
     *inv_l = 0.0f;
     return -INFINITY;
   }
@@ -65,8 +69,15 @@ SD_HD_INLINE float softmax_finish(SoftmaxState state, float* inv_l) {
 }
 
 // Merge of two finished partials over disjoint key sets: o = wa * oa + wb * ob, returns the
-// merged lse2. Exact regardless of order; either side may be empty (-inf), both may be.
+// merged lse2. Exact regardless of order; either side may be empty (-inf), both may be. A NaN
+// side (a non-finite score, see softmax_finish) makes both weights and the result NaN: the
+// comparison below would otherwise pick the other side, and an empty other side would drop it.
 SD_HD_INLINE float lse_merge_weights(float lse_a, float lse_b, float* wa, float* wb) {
+  if (lse_a != lse_a || lse_b != lse_b) {
+    *wa = NAN;
+    *wb = NAN;
+    return NAN;
+  }
   const float hi = lse_a > lse_b ? lse_a : lse_b;
   if (hi == -INFINITY) {
     *wa = 0.0f;

@@ -208,6 +208,9 @@ def tree_attention(
         The K/V rows of all ``T`` nodes are read: as with a dense masked softmax, an inf or NaN
         in the V row of a node may reach rows whose mask hides it (``0 * inf``), so a padding
         node's K/V must be finite (a model's forward pass writes them like any node's).
+        A visible key whose score is +inf or NaN (an inf or NaN in ``q`` or ``k``) makes the
+        row's output and lse NaN, as a dense softmax makes the output, whichever KV split holds
+        the key.
     scale : float, optional
         Multiplies the scores ``q . k``; default ``1 / sqrt(D)``. Finite, ``|scale| <=
         2.36e38`` (float32 once multiplied by ``log2(e)``).
