@@ -258,6 +258,34 @@ def test_numpy_input_zero_copy_and_lists():
         ops.tree_info(np.asfortranarray(np.array([[-1, 0], [-1, 0], [-1, 0]], dtype=np.int32)))
 
 
+class _Producer:
+    """A DLPack producer that is neither torch nor numpy."""
+
+    def __init__(self, array: np.ndarray, with_device: bool = True):
+        self.array = array
+        if with_device:
+            self.__dlpack_device__ = array.__dlpack_device__
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+
+@pytest.mark.parametrize("with_device", [True, False])
+def test_other_dlpack_producers(with_device):
+    """Any object with __dlpack__ works as the docstring says, invalid trees included."""
+    parents = np.array([[-1, 0, 1, 1], [-1, 0, -1, -1]], dtype=np.int32)
+    want = ops.tree_info(parents)
+    got = ops.tree_info(_Producer(parents, with_device))
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert torch.equal(ops.tree_paths(_Producer(parents, with_device)), ops.tree_paths(parents))
+    bad = np.array([[-1, 0], [-1, 1]], dtype=np.int32)
+    with pytest.raises(ValueError, match="batch row 1: node 1 has parent 1"):
+        ops.tree_info(_Producer(bad, with_device))
+    with pytest.raises(ValueError, match="parents: cannot be exported through DLPack"):
+        ops.tree_info(_Producer(parents.astype(">i4"), with_device))
+
+
 def test_requires_grad_and_views_are_fine():
     base = torch.full((4, 9), -1, dtype=torch.int32)
     base[:, 1] = 0

@@ -1,9 +1,9 @@
 """Plumbing shared by the op families: device discovery, streams, output allocation.
 
 Inputs may be torch tensors, numpy arrays or any object with ``__dlpack__`` (the attention ops:
-torch tensors only); they reach the native module unchanged (zero-copy through DLPack). Outputs
-are torch tensors allocated here on the inputs' device, because the native module allocates
-nothing.
+torch tensors only); they reach the native module zero-copy through DLPack (other producers than
+torch and numpy wrapped in a torch tensor first, see :func:`as_array`). Outputs are torch tensors
+allocated here on the inputs' device, because the native module allocates nothing.
 """
 
 from __future__ import annotations
@@ -39,12 +39,25 @@ def device_of(x: Any, name: str) -> torch.device:
 
 
 def as_array(x: Any, name: str, dtype: torch.dtype | None = None) -> Any:
-    """Passes arrays through; turns nested Python lists/tuples into tensors of `dtype`.
+    """Passes torch tensors and numpy arrays through; wraps other ``__dlpack__`` producers in a
+    torch tensor (zero-copy) so that callers can read ``.shape``; turns nested Python
+    lists/tuples into tensors of `dtype`.
 
     For an integer `dtype` the list must hold ints in its range: a float or bool is a
     TypeError and an int outside it a ValueError (a cast would truncate or wrap them)."""
     if isinstance(x, torch.Tensor):
         return x.detach() if x.requires_grad else x
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            if hasattr(x, "__dlpack_device__"):
+                return torch.from_dlpack(x)
+            # __dlpack_device__ is part of the protocol, but the native module also reads
+            # producers without it (as host arrays); the capsule says where the data is.
+            return torch.from_dlpack(x.__dlpack__())
+        except BufferError as exc:
+            raise ValueError(f"{name}: cannot be exported through DLPack: {exc}") from None
     if isinstance(x, (list, tuple)):
         integral = dtype is not None and not dtype.is_floating_point and dtype != torch.bool
         try:
