@@ -286,6 +286,13 @@ def test_other_dlpack_producers(with_device):
         ops.tree_info(_Producer(parents.astype(">i4"), with_device))
 
 
+@pytest.mark.parametrize("row", [[-1, 0, True], [-1, np.True_, 0], [True, False]])
+def test_lists_holding_bools_are_refused(row):
+    """torch.tensor([-1, True]) would make True a silent 1."""
+    with pytest.raises(TypeError, match="parents: expected integers"):
+        ops.tree_info([row])
+
+
 def test_requires_grad_and_views_are_fine():
     base = torch.full((4, 9), -1, dtype=torch.int32)
     base[:, 1] = 0

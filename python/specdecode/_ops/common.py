@@ -38,6 +38,18 @@ def device_of(x: Any, name: str) -> torch.device:
     )
 
 
+def _holds_bool(x: list | tuple) -> bool:
+    """Whether a nested list/tuple holds a Python or numpy bool anywhere."""
+    stack: list[Any] = [x]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, (bool, np.bool_)):
+            return True
+    return False
+
+
 def as_array(x: Any, name: str, dtype: torch.dtype | None = None) -> Any:
     """Passes torch tensors and numpy arrays through; wraps other ``__dlpack__`` producers in a
     torch tensor (zero-copy) so that callers can read ``.shape``; turns nested Python
@@ -60,6 +72,9 @@ def as_array(x: Any, name: str, dtype: torch.dtype | None = None) -> Any:
             raise ValueError(f"{name}: cannot be exported through DLPack: {exc}") from None
     if isinstance(x, (list, tuple)):
         integral = dtype is not None and not dtype.is_floating_point and dtype != torch.bool
+        # torch.tensor([-1, True]) is int64 with True as 1: find the bools before it does.
+        if integral and _holds_bool(x):
+            raise TypeError(f"{name}: expected integers, got a list holding a bool")
         try:
             t = torch.tensor(x) if integral else torch.tensor(x, dtype=dtype)
         except (TypeError, ValueError, RuntimeError) as exc:
