@@ -81,6 +81,11 @@ def test_tree_paths_static_sizes_pad_and_reject_too_small():
         ops.tree_paths(parents, max_paths=2, path_len=2)
     with pytest.raises(ValueError, match="max_paths"):
         ops.tree_paths(parents, max_paths=0, path_len=2)
+    # Too large is refused by name before the [B, max_paths, path_len] output is allocated.
+    with pytest.raises(ValueError, match="max_paths: expected at most 1024, got 1025"):
+        ops.tree_paths(parents, max_paths=1025, path_len=4)
+    with pytest.raises(ValueError, match="path_len: expected at most 1024, got 1025"):
+        ops.tree_paths(parents, max_paths=2, path_len=1025)
 
 
 def test_known_tree():

@@ -157,7 +157,8 @@ def tree_paths(
     Raises
     ------
     ValueError
-        As :func:`tree_info`, or when the given ``max_paths`` / ``path_len`` are too small.
+        As :func:`tree_info`, or when the given ``max_paths`` / ``path_len`` are too small for
+        the trees, below 1 or above 1024.
     """
     parents = as_array(parents, "parents", torch.int32)
     info = _tree_info(parents, with_mask=False)
@@ -175,6 +176,10 @@ def tree_paths(
     for name, value in (("max_paths", max_paths), ("path_len", path_len)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        # Checked before the [B, max_paths, path_len] allocation, which could be huge; a tree has
+        # at most MAX_TREE_NODES leaves and depth MAX_TREE_NODES - 1.
+        if value > MAX_TREE_NODES:
+            raise ValueError(f"{name}: expected at most {MAX_TREE_NODES}, got {value}")
     max_paths, path_len = int(max_paths), int(path_len)
     paths = empty((batch, max_paths, path_len), torch.int32, device)
     _C.tree_paths(parents, info.depth, info.num_nodes, paths, num_paths, status, stream)
