@@ -1154,6 +1154,43 @@ def test_numpy_inputs_and_int32_seeds():
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"tokens": [[0, 1, True]]}, "tokens"),
+        ({"parents": [[-1, 0, True]]}, "parents"),
+        ({"top_k": [5, np.True_]}, "top_k"),
+        ({"temperature": [1.0, True]}, "temperature"),
+        ({"seed": [0, False]}, "seed"),
+    ],
+)
+def test_lists_holding_bools_are_refused(kwargs, name):
+    """torch.tensor([0, True]) is int64 with True as 1; a bool is refused, as a scalar one is."""
+    args = {"tokens": [[0, 1, 2]] * 2, "seed": 0, "offset": 0, **kwargs}
+    logits = torch.zeros(2, 3, 8)
+    with pytest.raises(TypeError, match=f"{name}: expected numbers, got a list holding a bool"):
+        ops.verify(logits, args.pop("tokens"), **args)
+
+
+class _Producer:
+    """A DLPack producer that is neither torch nor numpy (and has no __dlpack_device__)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+
+def test_other_dlpack_producers():
+    logits = np.random.default_rng(1).standard_normal((3, 2, 20)).astype(np.float32)
+    tokens = np.ones((3, 2), dtype=np.int64)
+    a = ops.verify(logits, tokens, seed=3, offset=5)
+    b = ops.verify(_Producer(logits), _Producer(tokens), seed=3, offset=5)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 # ---- torch.compile -----------------------------------------------------------------------------
 
 

@@ -38,7 +38,7 @@ def device_of(x: Any, name: str) -> torch.device:
     )
 
 
-def _holds_bool(x: list | tuple) -> bool:
+def holds_bool(x: list | tuple) -> bool:
     """Whether a nested list/tuple holds a Python or numpy bool anywhere."""
     stack: list[Any] = [x]
     while stack:
@@ -73,7 +73,7 @@ def as_array(x: Any, name: str, dtype: torch.dtype | None = None) -> Any:
     if isinstance(x, (list, tuple)):
         integral = dtype is not None and not dtype.is_floating_point and dtype != torch.bool
         # torch.tensor([-1, True]) is int64 with True as 1: find the bools before it does.
-        if integral and _holds_bool(x):
+        if integral and holds_bool(x):
             raise TypeError(f"{name}: expected integers, got a list holding a bool")
         try:
             t = torch.tensor(x) if integral else torch.tensor(x, dtype=dtype)

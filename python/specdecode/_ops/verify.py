@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import _C
-from .common import multiprocessors, stream_of
+from .common import as_array, holds_bool, multiprocessors, stream_of
 from .tree import MAX_TREE_NODES, tree_info
 
 MAX_VOCAB = 256 * 2048
@@ -105,18 +105,21 @@ class SampleResult(NamedTuple):
 # ---- argument conversion -------------------------------------------------------------------------
 
 
-def _tensor(x: Any, name: str) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.detach() if x.requires_grad else x
-    if isinstance(x, np.ndarray):
-        return torch.from_numpy(x)
-    if hasattr(x, "__dlpack__"):
-        return torch.from_dlpack(x)
+def _tensor(x: Any, name: str, numeric: bool = False) -> torch.Tensor:
+    """`x` as a torch tensor (zero-copy for arrays). A list keeps the dtype torch infers (int64
+    or float32); with `numeric` a bool in it is a TypeError, which torch would make a number."""
     if isinstance(x, (list, tuple)):
+        if numeric and holds_bool(x):
+            raise TypeError(f"{name}: expected numbers, got a list holding a bool")
         try:
             return torch.tensor(x)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{name}: cannot make an array from the given list: {exc}") from None
+    x = as_array(x, name)
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    if isinstance(x, torch.Tensor):
+        return x
     raise TypeError(
         f"{name}: expected a torch.Tensor, numpy.ndarray or an array with __dlpack__, "
         f"got {type(x).__name__}"
@@ -142,7 +145,7 @@ def _same_device(x: torch.Tensor, name: str, device: torch.device) -> None:
 
 
 def _int_rows(x: Any, name: str, batch: int, n: int, device: torch.device) -> torch.Tensor:
-    t = _tensor(x, name)
+    t = _tensor(x, name, numeric=True)
     if t.dtype not in _INTS:
         raise TypeError(f"{name}: expected int32 or int64, got {t.dtype}")
     if tuple(t.shape) != (batch, n):
@@ -204,7 +207,7 @@ def _per_sequence(
         if bad(float(value)):
             raise ValueError(f"{name}: expected a value in {rng}, got {value!r}")
         return _constant(value, batch, dtype, device)
-    t = _tensor(value, name)
+    t = _tensor(value, name, numeric=True)
     if integer and t.dtype not in _INTS:
         raise TypeError(f"{name}: expected an int32 or int64 array, got {t.dtype}")
     if not integer and not (t.dtype.is_floating_point or t.dtype in _INTS):
