@@ -203,7 +203,16 @@ Array Array::from_python(py::handle obj, const char* name, bool writable) {
       throw_type_error(std::string(name) + ": unsupported device type " +
                        std::to_string(t->device.device_type) + " (expected CPU or CUDA)");
   }
+  // A producer's lie about sizes is beyond checking, but a negative one is visibly malformed, and
+  // a negative size would act as a wildcard in expect_shape (-1 means "any").
+  if (t->ndim < 0 || (t->ndim > 0 && !t->shape)) {
+    throw_value_error(std::string(name) + ": malformed DLPack tensor (ndim " +
+                      std::to_string(t->ndim) + (t->shape ? "" : ", no shape") + ")");
+  }
   a.shape_.assign(t->shape, t->shape + t->ndim);
+  for (int64_t s : a.shape_) {
+    if (s < 0) throw_value_error(std::string(name) + ": negative size in shape " + a.shape_str());
+  }
   a.strides_.resize(t->ndim);
   if (t->strides) {
     a.strides_.assign(t->strides, t->strides + t->ndim);

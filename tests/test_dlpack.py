@@ -146,3 +146,17 @@ def test_unsupported_device_and_dtype_are_reported():
     assert d["device"] == "cuda:1"
     d = _C.describe_array(capsule_claiming_device(a, device_type=1, dtype_code=5))  # complex
     assert d["dtype"] == "an unsupported dtype"
+
+
+def test_negative_sizes_are_refused():
+    """A negative size is malformed, and would match any size where a shape check uses -1."""
+    import dlpack_capsule
+
+    parents = np.array([[-1, 0, 1]], dtype=np.int32)
+    cap = capsule_claiming_device(parents, device_type=1)
+    dlpack_capsule._KEEP_ALIVE[-1].dl_tensor.shape[0] = -5
+    depth = torch.empty((7, 3), dtype=torch.int32)
+    num_nodes = torch.empty((9,), dtype=torch.int32)
+    status = torch.empty((9, 2), dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"parents: negative size in shape \[-5, 3\]"):
+        _C.tree_info(cap, depth, None, num_nodes, status, 0)
