@@ -243,6 +243,50 @@ def test_model_drafter_sampled_chain_records_its_distribution():
     assert d2.propose([0, 1]).tokens.tolist() == tree.tokens.tolist()
 
 
+class _NaNRows:
+    """A draft model whose logits are NaN in the cache rows ``rows`` (a broken or overflowing
+    draft distribution for those sequences)."""
+
+    def __init__(self, model, rows):
+        self.model, self.rows = model, list(rows)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, input_ids, positions, cache, tree_mask=None, output_hidden=None):
+        logits = self.model.forward(input_ids, positions, cache, tree_mask, output_hidden)
+        logits[self.rows] = float("nan")
+        return logits
+
+
+def test_model_drafter_ends_a_sampled_chain_at_a_bad_draft_distribution():
+    """A row whose processed draft distribution is bad draws no token: its chain is the root
+    alone, the other rows draft as usual, and generation samples as plain decoding does (before,
+    the -1 of the failed draw was fed to the draft model, which raised)."""
+    from specdecode.drafters import ModelDrafter, NoDrafter
+
+    from specdecode import generate
+
+    model = _tiny(5)
+    d = ModelDrafter(_NaNRows(model, [1]), k=3)
+    d.start([0, 1], [[1, 2], [3]])
+    d.configure([0, 1], temperature=[1.0, 1.0], top_k=[0, 0], top_p=[1.0, 1.0], seed=[1, 2])
+    tree = d.propose([0, 1])
+    assert tree.num_nodes.tolist() == [4, 1]
+    assert tree.tokens[1].tolist() == [3, -1, -1, -1]
+    assert min(tree.tokens[0].tolist()) >= 0
+    d.observe([0, 1], [[tree.tokens[0, 1].item()], [4]])
+    assert d.propose([0, 1]).num_nodes.tolist() == [4, 1]
+
+    target = _tiny(4)
+    prompts = [[1, 2, 3], [9]]
+    kwargs = dict(max_new_tokens=6, temperature=1.0, seed=[5, 6])
+    broken = ModelDrafter(_NaNRows(_tiny(6), [0, 1]), k=3)
+    out = generate(target, prompts, drafter=broken, **kwargs)
+    assert out.sequences == generate(target, prompts, drafter=NoDrafter(), **kwargs).sequences
+    assert out.stats.accepted_tokens == 0
+
+
 def test_model_drafter_tree_is_a_valid_budgeted_tree_holding_the_greedy_path():
     from reference_engine import greedy_reference
     from specdecode.drafters import ModelDrafter

@@ -686,6 +686,10 @@ class ModelDrafter:
         tokens = torch.full((batch, depth + 1), -1, dtype=torch.int32)
         tokens[:, 0] = torch.tensor(roots, dtype=torch.int32)
         probs = torch.zeros((batch, depth + 1, vocab), dtype=torch.float32) if sampled else None
+        # Per row: draft nodes below the root. A row whose processed draft distribution is bad
+        # (non-finite logits, or a temperature so small that logits / temperature overflows)
+        # draws no token (-1): its chain ends at that node instead of feeding -1 to the model.
+        lengths = torch.full((batch,), depth, dtype=torch.int32)
         if depth > 0:
             logits = self._catch_up(slots)
             # Offsets: the sequence's committed length, as the verifier's, with per-depth seeds.
@@ -701,16 +705,20 @@ class ModelDrafter:
                     )
                     nxt = draw.tokens
                     probs[:, d] = q
+                    bad = (nxt < 0) & (lengths > d)
+                    lengths[bad] = d
                 else:
                     nxt = row_logits.argmax(dim=1).to(torch.int32)
-                tokens[:, d + 1] = nxt
+                tokens[:, d + 1] = torch.where(lengths > d, nxt, -1)
                 if d + 1 < depth:
-                    step = [[int(x)] for x in nxt]
+                    # Ended rows are fed token 0 (their K/V beyond the committed tokens is
+                    # truncated on observe unless it matches them, as for any draft token).
+                    step = [[max(int(x), 0)] for x in nxt]
                     logits = self._forward_rows(slots, step)[:, 0]
                     for s, x in zip(slots, step):
                         self._fed[s].extend(x)
         parents = ops.chain_parents(batch, depth).to(torch.int32)
-        num_nodes = torch.full((batch,), depth + 1, dtype=torch.int32)
+        num_nodes = lengths + 1
         if probs is None:
             return DraftTree(tokens, parents, num_nodes)
         return SampledDraftTree(tokens, parents, num_nodes, probs)
