@@ -362,6 +362,20 @@ def test_seeds_reproduce_rows_independently_of_the_batch(target, draft_model):
     assert again.sequences == full.sequences
 
 
+def test_a_top_k_beyond_the_vocabulary_is_off(target):
+    """top_k >= vocab_size keeps every token (verify's rule), even one past int32."""
+    prompts = prompts_for(2)
+    kwargs = dict(max_new_tokens=6, temperature=1.0, seed=[3, 4])
+    off = generate(target, prompts, **kwargs).sequences
+    for k in (V, V + 1, 2**31, 2**40):
+        assert generate(target, prompts, top_k=k, **kwargs).sequences == off, k
+    drafted = [
+        generate(target, prompts, drafter=ModelDrafter(target, k=3), top_k=k, **kwargs).sequences
+        for k in (0, 2**40)
+    ]
+    assert drafted[0] == drafted[1]
+
+
 # ---- structure of a step -------------------------------------------------------------------------
 
 

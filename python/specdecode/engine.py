@@ -1151,6 +1151,10 @@ class SpeculativeDecoder:
             raise ValueError(f"temperature: expected finite values >= 0, got {temps}")
         if any(k < 0 for k in top_ks):
             raise ValueError(f"top_k: expected values >= 0, got {top_ks}")
+        # top_k >= vocab_size keeps every token (off), as does vocab_size itself, which also fits
+        # the int32 the kernels take (a top_k of 2**40 would overflow it).
+        vocab = int(self.target.vocab_size)
+        top_ks = [min(k, vocab) for k in top_ks]
         if any(not 0 < p <= 1 for p in top_ps):
             raise ValueError(f"top_p: expected values in (0, 1], got {top_ps}")
         if on_step is not None and not callable(on_step):
