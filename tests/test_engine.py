@@ -362,6 +362,32 @@ def test_seeds_reproduce_rows_independently_of_the_batch(target, draft_model):
     assert again.sequences == full.sequences
 
 
+@pytest.mark.parametrize("kind", ["none", "cacheback", "tree", "combined-tree"])
+def test_seeds_reproduce_rows_of_every_drafter_independently_of_the_batch(
+    kind, target, draft_model
+):
+    """The promise of ``seed`` (a list): without a budget, with drafters whose drafts of a row
+    depend on that row alone (CombinedDrafter whole trees included) and far from the max
+    length, a row's sampled tokens are those it gets alone, whatever its neighbours."""
+    if kind == "combined-tree":
+        drafter = CombinedDrafter(
+            CachebackDrafter(max_nodes=12, max_depth=5, max_sequences=16),
+            ModelDrafter(draft_model, mode="chain", k=4),
+            mixed_steps="tree",
+        )
+    else:
+        drafter = make_drafter(kind, draft_model)
+    # Repetitive prompts give the n-gram tables drafts, with branches, beside silent rows.
+    prompts = [[5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6], [40, 3, 17, 29, 51], [2], [5, 6, 5, 6, 5]]
+    per_row = dict(temperature=[1.0, 0.7, 0.0, 1.3], top_k=[0, 20, 0, 5], seed=[7, 8, 9, 10])
+    decoder = SpeculativeDecoder(target, drafter)
+    full = decoder.generate(prompts, max_new_tokens=12, top_p=0.95, **per_row)
+    for b in range(len(prompts)):
+        row = {name: values[b : b + 1] for name, values in per_row.items()}
+        alone = decoder.generate(prompts[b : b + 1], max_new_tokens=12, top_p=0.95, **row)
+        assert alone.sequences[0] == full.sequences[b], f"row {b}"
+
+
 def test_a_top_k_beyond_the_vocabulary_is_off(target):
     """top_k >= vocab_size keeps every token (verify's rule), even one past int32."""
     prompts = prompts_for(2)
