@@ -556,6 +556,19 @@ def test_bad_requests_raise_before_any_work(target, draft_model):
         SpeculativeDecoder(target, object())
 
 
+def test_prompts_as_a_tensor_or_numpy_array(target):
+    prompts = prompts_for(3)
+    width = min(len(p) for p in prompts)
+    rows = [p[:width] for p in prompts]
+    expected = generate(target, rows, max_new_tokens=5).sequences
+    assert generate(target, torch.tensor(rows), max_new_tokens=5).sequences == expected
+    assert generate(target, np.array(rows, dtype=np.int32), max_new_tokens=5).sequences == expected
+    with pytest.raises(ValueError, match=r"expected a \[B, T\] array"):
+        generate(target, np.array(rows[0]), max_new_tokens=5)
+    with pytest.raises(TypeError, match="expected token ids"):
+        generate(target, np.array(rows, dtype=np.float32), max_new_tokens=5)
+
+
 class BadSampledDrafter(FixedBranches):
     """Proposes a sampled chain with the draft distributions or flags given at construction."""
 

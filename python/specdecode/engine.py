@@ -1036,9 +1036,9 @@ class SpeculativeDecoder:
     def _check_request(
         self, prompts: Any, max_new_tokens: int, stop_token_ids: Optional[Iterable[int]]
     ) -> tuple[list[list[int]], set[int]]:
-        if isinstance(prompts, torch.Tensor):
-            if prompts.dim() != 2:
-                raise ValueError(f"prompts: expected a [B, T] tensor, got {list(prompts.shape)}")
+        if isinstance(prompts, (torch.Tensor, np.ndarray)):
+            if prompts.ndim != 2:
+                raise ValueError(f"prompts: expected a [B, T] array, got {list(prompts.shape)}")
             prompts = prompts.tolist()
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts: expected a non-empty list of token id lists")
@@ -1108,7 +1108,7 @@ class SpeculativeDecoder:
 
         Parameters
         ----------
-        prompts : list of list of int, or int tensor [B, T]
+        prompts : list of list of int, or int tensor or numpy array [B, T]
             ``B >= 1`` prompts of any lengths ``>= 1``, token ids in ``[0, vocab_size)``.
         max_new_tokens : int
             Tokens to generate per prompt at most; prompt + new tokens must fit the target's
@@ -1745,7 +1745,7 @@ def generate(
     ----------
     model : CausalLM
         The target model.
-    prompts : list of list of int, or int tensor [B, T]
+    prompts : list of list of int, or int tensor or numpy array [B, T]
         The prompts (token ids).
     drafter : Drafter, optional
         Default :class:`~specdecode.drafters.NoDrafter` (plain decoding).
