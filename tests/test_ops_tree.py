@@ -160,6 +160,8 @@ def test_chain_parents():
         ops.chain_parents(1, 1024)
     with pytest.raises(ValueError, match="batch"):
         ops.chain_parents(-1, 2)
+    with pytest.raises(ValueError, match="batch: .* exceed an int64"):
+        ops.chain_parents(2**62, 3)
     with pytest.raises(ValueError, match="k"):
         ops.chain_parents(1, 2.5)
     assert ops.chain_parents(np.int64(2), np.int32(3)).tolist() == [[-1, 0, 1, 2]] * 2

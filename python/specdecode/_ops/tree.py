@@ -216,5 +216,8 @@ def chain_parents(batch: int, k: int, *, device: torch.device | str | None = Non
     batch, k = int(batch), int(k)
     if k + 1 > MAX_TREE_NODES:
         raise ValueError(f"k: a chain has at most {MAX_TREE_NODES - 1} drafts, got {k}")
+    # torch's own error for a size past int64 would not name the argument.
+    if batch * (k + 1) >= 2**63:
+        raise ValueError(f"batch: {batch} rows of {k + 1} nodes exceed an int64 element count")
     row = torch.arange(-1, k, dtype=torch.int32, device=device)
     return row.unsqueeze(0).expand(batch, k + 1).contiguous()
