@@ -509,6 +509,26 @@ def test_combined_drafter_near_the_draft_context_end_equals_the_target(mode):
     assert d.counts["primary"] > 0 and d.counts["fallback"] > 0, d.counts
 
 
+def test_model_drafter_tree_with_a_wide_beam_drafts_near_the_context_end():
+    """A beam wider than the room left drafts as deep as the frontiers fit (a frontier at depth j
+    holds at most min(beam, branch ** j) nodes): with beam 1024 and 24 positions left the tree
+    still reaches depth 3 (2 + 4 + 8 nodes); sized by the beam alone it never drafted."""
+    from reference_engine import greedy_reference, tiny_transformer
+    from specdecode.drafters import ModelDrafter
+    from specdecode.engine import generate
+
+    target = tiny_transformer(seed=1, max_length=64)
+    draft = tiny_transformer(seed=2, layers=1, max_length=64)
+    prompt = [int(x) for x in np.random.default_rng(0).integers(0, 60, 40)]
+    d = ModelDrafter(draft, mode="tree", k=3, branch=2, beam=1024, max_nodes=16)
+    d.start([0], [prompt])
+    tree = d.propose([0])
+    assert int(tree.num_nodes[0]) == 15 and int(tree_info(tree.parents).depth.max()) == 3
+    d.release([0])
+    out = generate(target, [prompt], drafter=d, max_new_tokens=23, max_nodes=16)
+    assert out.sequences == [greedy_reference(target, prompt, 23)]
+
+
 def test_cacheback_slots_outside_the_range_are_refused_not_wrapped():
     """Slots are checked before the int32 cast, which would wrap 2**32 + s onto slot s."""
     d = CachebackDrafter(max_sequences=4)

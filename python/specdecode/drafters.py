@@ -636,26 +636,39 @@ class ModelDrafter:
         cache.truncate(after)
         return logits[torch.tensor(slots, device=logits.device)]
 
-    def _room(self, slots: list[int], per_depth: int) -> int:
+    def _nodes_to_depth(self, depth: int, tree: bool) -> int:
+        """Draft nodes (root excluded) of depths ``1 .. depth``, at most: one per depth for a
+        chain; for a tree the frontier at depth ``j``, at most ``min(beam, branch ** j)``."""
+        if not tree:
+            return depth
+        total, width = 0, 1
+        for _ in range(depth):
+            width = min(self.beam, width * self.branch)
+            total += width
+        return total
+
+    def _room(self, slots: list[int], tree: bool) -> int:
         """Draft depth whose forward passes fit every cache row and position range (0: no pass).
 
-        The drafted rows grow by the root plus ``per_depth`` nodes per depth on top of the
-        committed prefix (a chain adds one node per depth, a tree pass up to ``beam``). Every
-        cache row takes part in each pass, padded to its width (``_forward_rows``), so the rows
-        with the most tokens held, drafted this time or not, need room for the widest pass: the
-        catch-up, as wide as the most committed tokens a slot has not fed, and a tree pass at
-        depth ``d`` (the root and up to ``per_depth`` nodes per depth, fed after the root is
+        The drafted rows grow by the root plus the nodes of each depth on top of the committed
+        prefix (``_nodes_to_depth``: a chain adds one node per depth, a tree pass its frontier).
+        Every cache row takes part in each pass, padded to its width (``_forward_rows``), so the
+        rows with the most tokens held, drafted this time or not, need room for the widest pass:
+        the catch-up, as wide as the most committed tokens a slot has not fed, and a tree pass
+        at depth ``d`` (the root and the frontiers of depths ``1 .. d``, fed after the root is
         taken back).
         """
         longest = max(len(self._seq[s]) for s in slots)
-        depth = max(0, min(self.k, (self.max_length - longest) // per_depth))
+        depth = 0
+        while depth < self.k and longest + self._nodes_to_depth(depth + 1, tree) <= self.max_length:
+            depth += 1
         held = max(len(fed) for fed in self._fed.values())  # the cache's longest row
         pending = max(len(self._seq[s]) - len(self._fed[s]) for s in slots)
         if held + pending > self.max_length:
             return 0
-        if per_depth > 1:
+        if tree:
             base = max(held, longest - 1)
-            while depth > 1 and base + 1 + (depth - 1) * per_depth > self.max_length:
+            while depth > 1 and base + 1 + self._nodes_to_depth(depth - 1, tree) > self.max_length:
                 depth -= 1
         return depth
 
@@ -679,7 +692,7 @@ class ModelDrafter:
     def _propose_chain(self, slots: list[int]) -> Union[DraftTree, SampledDraftTree]:
         batch = len(slots)
         roots = [self._seq[s][-1] for s in slots]
-        depth = self._room(slots, 1)
+        depth = self._room(slots, tree=False)
         temperature, top_k, top_p, seed = self._sampling(slots)
         sampled = self.sample and bool((temperature > 0).any())
         vocab = self.vocab_size
@@ -726,7 +739,7 @@ class ModelDrafter:
     def _propose_tree(self, slots: list[int]) -> DraftTree:
         batch = len(slots)
         roots = [self._seq[s][-1] for s in slots]
-        depth_limit = self._room(slots, self.beam)
+        depth_limit = self._room(slots, tree=True)
         # Pool of candidate nodes per row: token, parent (pool index), depth, cumulative log p.
         pool_tok = [[r] for r in roots]
         pool_par = [[-1] for _ in slots]
