@@ -424,6 +424,7 @@ def test_combined_drafter_flags_primary_rows_deterministic_beside_sampled_ones(m
     fallback = FixedDrafter({1: ([5, 0, 7], [-1, 0, 1])}, vocab_size=v, probs={1: q})
     d = CombinedDrafter(primary, fallback, mixed_steps=mixed_steps)
     assert d.vocab_size == v
+    d.configure([0, 1], temperature=[0.8, 0.8])
     tree = d.propose([0, 1])
     assert isinstance(tree, SampledDraftTree)
     # Row 0 is flagged deterministic (its draft rows are not read: zeros) and keeps its whole
@@ -445,6 +446,18 @@ def test_combined_drafter_flags_primary_rows_deterministic_beside_sampled_ones(m
     assert not bool(tree.draft_probs[1, 3:].any())
     assert tree.tokens[1, :3].tolist() == [5, 0, 7]
     assert tree.tokens[1, 3:].tolist() == [-1] * (width - 3)
+    # The rule looks at the row's own sequence: a sampling row alone is cut as beside the
+    # fallback's rows (its drafts do not depend on the batch), a greedy row keeps its tree.
+    alone = d.propose([0])
+    assert alone.num_nodes.tolist() == ([5] if mixed_steps == "tree" else [3])
+    assert (
+        alone.tokens[0].tolist()[: int(alone.num_nodes[0])]
+        == tree.tokens[0].tolist()[: int(tree.num_nodes[0])]
+    )
+    d.configure([0], temperature=[0.0])
+    greedy = d.propose([0, 1])
+    assert greedy.num_nodes.tolist() == [5, 3]
+    assert greedy.tokens[0].tolist() == [5, 3, 4, 9, 2]
 
 
 def test_combined_drafter_errors():

@@ -362,18 +362,19 @@ def test_seeds_reproduce_rows_independently_of_the_batch(target, draft_model):
     assert again.sequences == full.sequences
 
 
-@pytest.mark.parametrize("kind", ["none", "cacheback", "tree", "combined-tree"])
+@pytest.mark.parametrize("kind", ["none", "cacheback", "tree", "combined-tree", "combined-path"])
 def test_seeds_reproduce_rows_of_every_drafter_independently_of_the_batch(
     kind, target, draft_model
 ):
     """The promise of ``seed`` (a list): without a budget, with drafters whose drafts of a row
-    depend on that row alone (CombinedDrafter whole trees included) and far from the max
-    length, a row's sampled tokens are those it gets alone, whatever its neighbours."""
-    if kind == "combined-tree":
+    depend on that row alone (CombinedDrafter in both modes: "path" cuts a row's tree by its own
+    temperature) and far from the max length, a row's sampled tokens are those it gets alone,
+    whatever its neighbours."""
+    if kind.startswith("combined"):
         drafter = CombinedDrafter(
             CachebackDrafter(max_nodes=12, max_depth=5, max_sequences=16),
             ModelDrafter(draft_model, mode="chain", k=4),
-            mixed_steps="tree",
+            mixed_steps=kind.split("-")[1],
         )
     else:
         drafter = make_drafter(kind, draft_model)

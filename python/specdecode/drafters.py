@@ -854,6 +854,21 @@ def _cut_to_first_path(b: int, tokens: np.ndarray, parents: np.ndarray, num: np.
     num[b] = len(path)
 
 
+def _cut_rows(
+    rows: np.ndarray, tokens: np.ndarray, parents: np.ndarray, num: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int32 ``[B, N]`` trees with the given rows cut to their first root path (in place), as
+    tensors no wider than the largest tree left (a cut row's nodes come first)."""
+    for b in rows:
+        _cut_to_first_path(int(b), tokens, parents, num)
+    width = int(num.max()) if rows.size else tokens.shape[1]
+    return (
+        torch.from_numpy(np.ascontiguousarray(tokens[:, :width])),
+        torch.from_numpy(np.ascontiguousarray(parents[:, :width])),
+        torch.from_numpy(num),
+    )
+
+
 class CombinedDrafter:
     """A cheap drafter first, a second one for the sequences the first has nothing for.
 
@@ -873,14 +888,16 @@ class CombinedDrafter:
     min_drafts : int
         Draft nodes (besides the root) ``primary``'s tree needs to be taken, ``>= 1``.
     mixed_steps : {"path", "tree"}
-        What a ``primary`` row keeps in a step that mixes it with ``fallback`` rows carrying
-        draft distributions (sampling): ``"path"`` (default) its tree's first root path,
+        What a ``primary`` row of a sequence that samples (temperature > 0, as the engine
+        tells :meth:`configure`) keeps: ``"path"`` (default) its tree's first root path,
         ``"tree"`` the whole tree. Siblings proposed by n-gram tables are seldom accepted when
         sampling, and each costs the target a token of its forward pass: on the zoo pair on a
         CPU, at temperature 0.3 and 0.8 and batch 4, whole trees accepted 2 to 6 % more tokens
         per step and gave 3 to 9 % fewer tokens per second (``bench/combined_sampling.py``,
         bench/RESULTS.md, ``## engine``). ``"tree"`` is for targets whose forward pass costs
-        little more for more tokens (a large model on a GPU).
+        little more for more tokens (a large model on a GPU). The rule looks at the row's own
+        sequence only, so a row's drafts do not depend on the rest of the batch; greedy rows
+        keep their whole trees.
 
     Notes
     -----
@@ -928,6 +945,8 @@ class CombinedDrafter:
         self.mixed_steps = mixed_steps
         self._vocab = next(iter(vocabs.values()), None)
         self.counts = {"primary": 0, "fallback": 0}
+        # Slots whose sequences sample (temperature > 0), from configure().
+        self._sampling: set[int] = set()
 
     @property
     def vocab_size(self) -> Optional[int]:
@@ -955,7 +974,16 @@ class CombinedDrafter:
             raise
 
     def configure(self, slots: Sequence[int], **sampling: Any) -> None:
-        """Hands the sequences' sampling parameters to each drafter that takes them."""
+        """Hands the sequences' sampling parameters to each drafter that takes them, and notes
+        which sequences sample (``temperature`` > 0) for ``mixed_steps="path"``."""
+        temperature = sampling.get("temperature")
+        if temperature is not None:
+            temps = np.broadcast_to(np.asarray(temperature, dtype=np.float64), (len(slots),))
+            for s, t in zip(slots, temps.tolist()):
+                if t > 0:
+                    self._sampling.add(int(s))
+                else:
+                    self._sampling.discard(int(s))
         for drafter in (self.primary, self.fallback):
             configure = getattr(drafter, "configure", None)
             if callable(configure):
@@ -968,6 +996,7 @@ class CombinedDrafter:
 
     def release(self, slots: Sequence[int]) -> None:
         """Closes the slots in both drafters."""
+        self._sampling.difference_update(int(s) for s in slots)
         try:
             self.primary.release(slots)
         finally:
@@ -998,9 +1027,16 @@ class CombinedDrafter:
                 f"expected {len(slots_l)}"
             )
         need = np.flatnonzero(p_num - 1 < self.min_drafts)
+        cut = np.array([s in self._sampling for s in slots_l], dtype=bool)
+        if self.mixed_steps != "path":
+            cut[:] = False
         if need.size == 0:
             self.counts["primary"] += len(slots_l)
-            return first
+            if not cut.any():
+                return first
+            tokens, parents = p_tokens.copy(), p_parents.copy()
+            num_nodes = p_num.astype(np.int32, copy=True)
+            return DraftTree(*_cut_rows(np.flatnonzero(cut), tokens, parents, num_nodes))
         second = self.fallback.propose([slots_l[i] for i in need])
         f_tokens = _host_int32(second.tokens)
         f_parents = _host_int32(second.parents)
@@ -1030,19 +1066,14 @@ class CombinedDrafter:
         tokens[take, :fw] = f_tokens[use]
         parents[take, :fw] = f_parents[use]
         num_nodes[take] = f_num[use]
+        cut[take] = False
+        tokens_t, parents_t, num_t = _cut_rows(np.flatnonzero(cut), tokens, parents, num_nodes)
         if f_probs is None or take.size == 0:
-            return DraftTree(
-                torch.from_numpy(tokens), torch.from_numpy(parents), torch.from_numpy(num_nodes)
-            )
+            return DraftTree(tokens_t, parents_t, num_t)
         deterministic = np.ones(batch, dtype=bool)
         deterministic[take] = False
-        if self.mixed_steps == "path":
-            for b in np.flatnonzero(deterministic):
-                _cut_to_first_path(b, tokens, parents, num_nodes)
-            # Every row's valid nodes now come first: no wider draft_probs than they need.
-            width = int(num_nodes.max())
-            tokens = np.ascontiguousarray(tokens[:, :width])
-            parents = np.ascontiguousarray(parents[:, :width])
+        tokens, parents = tokens_t.numpy(), parents_t.numpy()
+        width = tokens.shape[1]
         f_probs = torch.as_tensor(f_probs)
         vocab = int(f_probs.shape[-1])
         probs = torch.zeros((batch, width, vocab), dtype=torch.float32)

@@ -1119,11 +1119,10 @@ class SpeculativeDecoder:
             Philox key per sequence: an int gives row ``b`` the key ``seed + b``; a list sets each
             row's key, and a row's tokens then do not depend on the rest of the batch as long as
             its drafts do not: without a ``budget`` (both budgets size trees from the whole
-            batch), with drafters whose drafts of a sequence depend on that sequence alone (not
-            :class:`~specdecode.drafters.CombinedDrafter` with ``mixed_steps="path"``, which
-            cuts trees in steps that mix its two drafters), and while no sequence of the batch
-            nears the target's or the draft model's max length (drafts are then shortened for
-            every row). None draws a random seed.
+            batch), with drafters whose drafts of a sequence depend on that sequence alone (all
+            of this package's drafters), and while no sequence of the batch nears the target's
+            or the draft model's max length (drafts are then shortened for every row). None
+            draws a random seed.
         stop_token_ids : int or iterable of int, optional
             Tokens (e.g. EOS) that end a sequence; the stop token is part of the output.
         on_step : callable ``(row, new_tokens)``, optional
