@@ -3,8 +3,9 @@ a step that mixes it with the draft model's sampled rows (``CombinedDrafter(mixe
 
 At temperature > 0 the draft model samples its chains, so a step whose batch mixes n-gram rows
 with draft-model rows is verified with draft distributions, the n-gram rows flagged in
-``draft_deterministic``. ``mixed_steps="path"`` cuts each n-gram row to its tree's first root
-path there, ``"tree"`` keeps the whole tree. Both are lossless; they differ in how many tokens a
+``draft_deterministic``. ``mixed_steps="path"`` cuts each n-gram row of a sampling sequence to
+its tree's first root path (in every step, so that a row's drafts do not depend on the batch),
+``"tree"`` keeps the whole tree. Both are lossless; they differ in how many tokens a
 step accepts and in how many tokens the target's forward pass scores. Cacheback alone and the
 draft model alone are measured in the same run.
 
