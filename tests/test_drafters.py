@@ -542,6 +542,164 @@ def test_model_drafter_tree_with_a_wide_beam_drafts_near_the_context_end():
     assert out.sequences == [greedy_reference(target, prompt, 23)]
 
 
+class _CountingCache:
+    """A KV cache stand-in that holds lengths only and, as KVCache, refuses a pass that would
+    take any row past ``max_length``."""
+
+    def __init__(self, batch_size: int, max_length: int) -> None:
+        import torch
+
+        self.batch_size, self.max_length = batch_size, max_length
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64)
+
+    def truncate(self, lengths) -> None:
+        import torch
+
+        new = torch.as_tensor(lengths, dtype=torch.int64)
+        assert bool((new >= 0).all()) and bool((new <= self.lengths).all())
+        self.lengths = new.clone()
+
+
+class _CountingLM:
+    """A CausalLM stand-in that counts its forward passes (one per draft depth) and returns
+    fixed random logits; a pass that does not fit its cache or positions is an error."""
+
+    def __init__(self, vocab_size: int = 5, max_length: int = 4096) -> None:
+        import torch
+
+        self.vocab_size, self.max_length = vocab_size, max_length
+        self.device = torch.device("cpu")
+        self.table = torch.randn(vocab_size, vocab_size, generator=torch.Generator().manual_seed(0))
+        self.passes = 0
+
+    def new_cache(self, batch_size: int, max_length: int) -> _CountingCache:
+        return _CountingCache(batch_size, max_length)
+
+    def forward(self, input_ids, positions, cache, tree_mask=None):
+        width = input_ids.shape[1]
+        if int(cache.lengths.max()) + width > cache.max_length:
+            raise ValueError("the pass does not fit the cache")
+        if int(positions.max()) >= cache.max_length:
+            raise ValueError("a position is past the cache")
+        self.passes += 1
+        cache.lengths = cache.lengths + width
+        return self.table[input_ids]
+
+
+def _room_by_definition(k, beam, branch, tree, max_length, longest, held, pending):
+    """The draft depth that fits, spelled out: the largest d <= k whose nodes (one per depth for
+    a chain, min(beam, branch ** j) at depth j for a tree) fit on the longest committed
+    sequence; 0 when the catch-up does not fit; a tree pass at depth d (fed on the longest held
+    row, the root re-fed) must fit with the frontiers of depths 1 .. d - 1."""
+
+    def nodes(d):
+        return sum(min(beam, branch**j) if tree else 1 for j in range(1, d + 1))
+
+    depth = max(d for d in range(k + 1) if d == 0 or longest + nodes(d) <= max_length)
+    if held + pending > max_length:
+        return 0
+    if tree:
+        base = max(held, longest - 1)
+        depth = max(
+            [d for d in range(1, depth + 1) if d == 1 or base + 1 + nodes(d - 1) <= max_length],
+            default=0,
+        )
+    return depth
+
+
+def test_model_drafter_drafts_as_deep_as_the_room_definition_allows():
+    """Chains and trees over many depths, beams, branches, context limits and slot mixes: each
+    draft runs exactly as many forward passes (one per depth) as the room definition allows,
+    and no pass overflows the cache."""
+    from specdecode.drafters import ModelDrafter
+
+    rng = np.random.default_rng(0)
+    cases = [("chain", 1023, 1, 1, 1100), ("tree", 300, 1, 1, 400), ("tree", 40, 1024, 64, 900)]
+    for _ in range(60):
+        cases.append(
+            (
+                str(rng.choice(["chain", "tree"])),
+                int(rng.integers(1, 9)),
+                int(rng.integers(1, 6)),
+                int(rng.integers(1, 4)),
+                int(rng.integers(2, 40)),
+            )
+        )
+    checked = set()
+    for mode, k, beam, branch, max_length in cases:
+        model = _CountingLM()
+        d = ModelDrafter(
+            model,
+            mode=mode,
+            k=k,
+            beam=beam,
+            branch=branch,
+            max_nodes=8,
+            sample=False,
+            max_length=max_length,
+        )
+        slots = list(range(int(rng.integers(1, 4))))
+        seqs = {s: [1] * int(rng.integers(1, max_length + 3)) for s in slots}
+        d.start(slots, [seqs[s] for s in slots])
+        for _ in range(3):
+            ask = sorted(
+                int(s)
+                for s in rng.choice(slots, int(rng.integers(1, len(slots) + 1)), replace=False)
+            )
+            held = int(d.cache.lengths.max())
+            pending = max(len(seqs[s]) - int(d.cache.lengths[s]) for s in ask)
+            longest = max(len(seqs[s]) for s in ask)
+            want = _room_by_definition(
+                k, beam, branch, mode == "tree", max_length, longest, held, pending
+            )
+            before = model.passes
+            tree = d.propose(ask)
+            assert model.passes - before == want, (mode, k, beam, branch, max_length)
+            if mode == "chain":
+                assert tree.tokens.shape[1] == want + 1
+            checked.add((mode, want > 0))
+            # A chain commits a prefix of its draft (whose K/V the cache keeps) and one token
+            # more; a tree (whose drafts never stay in the cache) one to three tokens.
+            committed = []
+            for i in range(len(ask)):
+                draft = [int(t) for t in tree.tokens[i, 1 : int(tree.num_nodes[i])]]
+                if mode == "tree":
+                    draft = [int(t) for t in rng.integers(0, 5, 2)]
+                cut = int(rng.integers(0, len(draft) + 1))
+                committed.append(draft[:cut] + [int(rng.integers(0, 5))])
+            d.observe(ask, committed)
+            for s, c in zip(ask, committed):
+                seqs[s] += c
+    assert checked == {("chain", False), ("chain", True), ("tree", False), ("tree", True)}
+
+
+def test_model_drafter_room_is_linear_in_the_depth():
+    """The room of a k = 1023 draft is a running sum over the depths, not a sum per depth: the
+    interpreter runs O(k) lines for it (a quadratic count ran about 1.5 million)."""
+    import sys
+
+    from specdecode.drafters import ModelDrafter
+
+    for mode in ("chain", "tree"):
+        d = ModelDrafter(_CountingLM(), mode=mode, k=1023, beam=1, branch=2, max_length=2048)
+        d.start([0], [[1]])
+        lines = 0
+
+        def trace(frame, event, arg):
+            nonlocal lines
+            lines += event == "line"
+            return trace
+
+        previous = sys.gettrace()
+        sys.settrace(trace)
+        try:
+            room = d._room([0], tree=mode == "tree")
+        finally:
+            sys.settrace(previous)
+        assert room == 1023
+        assert lines < 20 * 1023, (mode, lines)
+
+
 def test_cacheback_slots_outside_the_range_are_refused_not_wrapped():
     """Slots are checked before the int32 cast, which would wrap 2**32 + s onto slot s."""
     d = CachebackDrafter(max_sequences=4)

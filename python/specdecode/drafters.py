@@ -636,39 +636,36 @@ class ModelDrafter:
         cache.truncate(after)
         return logits[torch.tensor(slots, device=logits.device)]
 
-    def _nodes_to_depth(self, depth: int, tree: bool) -> int:
-        """Draft nodes (root excluded) of depths ``1 .. depth``, at most: one per depth for a
-        chain; for a tree the frontier at depth ``j``, at most ``min(beam, branch ** j)``."""
-        if not tree:
-            return depth
-        total, width = 0, 1
-        for _ in range(depth):
-            width = min(self.beam, width * self.branch)
-            total += width
-        return total
-
     def _room(self, slots: list[int], tree: bool) -> int:
         """Draft depth whose forward passes fit every cache row and position range (0: no pass).
 
         The drafted rows grow by the root plus the nodes of each depth on top of the committed
-        prefix (``_nodes_to_depth``: a chain adds one node per depth, a tree pass its frontier).
-        Every cache row takes part in each pass, padded to its width (``_forward_rows``), so the
-        rows with the most tokens held, drafted this time or not, need room for the widest pass:
-        the catch-up, as wide as the most committed tokens a slot has not fed, and a tree pass
-        at depth ``d`` (the root and the frontiers of depths ``1 .. d``, fed after the root is
-        taken back).
+        prefix: a chain adds one node per depth; a tree pass its frontier, at depth ``j`` at most
+        ``min(beam, branch ** j)`` nodes. Every cache row takes part in each pass, padded to its
+        width (``_forward_rows``), so the rows with the most tokens held, drafted this time or
+        not, need room for the widest pass: the catch-up, as wide as the most committed tokens a
+        slot has not fed, and a tree pass at depth ``d`` (the root and the frontiers of depths
+        ``1 .. d``, fed after the root is taken back).
         """
         longest = max(len(self._seq[s]) for s in slots)
-        depth = 0
-        while depth < self.k and longest + self._nodes_to_depth(depth + 1, tree) <= self.max_length:
-            depth += 1
+        # nodes[d]: the draft nodes of depths 1 .. d, a running sum of the nodes each depth adds
+        # (linear in the depth: k may be up to 1023), kept for the depths that fit.
+        nodes = [0]
+        width = 1
+        while len(nodes) <= self.k:
+            if tree:
+                width = min(self.beam, width * self.branch)
+            if longest + nodes[-1] + width > self.max_length:
+                break
+            nodes.append(nodes[-1] + width)
+        depth = len(nodes) - 1
         held = max(len(fed) for fed in self._fed.values())  # the cache's longest row
         pending = max(len(self._seq[s]) - len(self._fed[s]) for s in slots)
         if held + pending > self.max_length:
             return 0
         if tree:
             base = max(held, longest - 1)
-            while depth > 1 and base + 1 + self._nodes_to_depth(depth - 1, tree) > self.max_length:
+            while depth > 1 and base + 1 + nodes[depth - 1] > self.max_length:
                 depth -= 1
         return depth
 
