@@ -452,6 +452,30 @@ def _one_line_exit_2(main, argv: list, capsys) -> str:
     return lines[0]
 
 
+def test_existing_path_checks_name_what_is_wrong(tmp_path):
+    """existing_dir / existing_file: FileNotFoundError for a missing path (or a missing file in
+    the directory), ValueError for the wrong kind; each message names what the path is for."""
+    from specdecode.zoo._paths import existing_dir, existing_file
+
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "d").mkdir()
+    assert existing_dir(str(tmp_path / "d"), "--x") == tmp_path / "d"
+    assert existing_file(str(tmp_path / "f"), "--x") == tmp_path / "f"
+    for check in (existing_dir, existing_file):
+        with pytest.raises(FileNotFoundError) as info:
+            check(tmp_path / "nope", "--x")
+        assert str(info.value) == f"--x {tmp_path / 'nope'} does not exist"
+    with pytest.raises(ValueError) as info:
+        existing_dir(tmp_path / "f", "--x")
+    assert str(info.value) == f"--x {tmp_path / 'f'} is not a directory"
+    with pytest.raises(ValueError) as info:
+        existing_file(tmp_path / "d", "--x")
+    assert str(info.value) == f"--x {tmp_path / 'd'} is not a file"
+    with pytest.raises(FileNotFoundError) as info:
+        existing_dir(tmp_path / "d", "--x", ("a.json", "b.json"))
+    assert str(info.value) == f"--x {tmp_path / 'd'} has no a.json, b.json"
+
+
 @pytest.fixture
 def run_final(tmp_path) -> Path:
     """A stand-in for a training run's ``final/``: a tiny model, tokenizer bytes and manifest."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence
 
 # argparse's exit code for a usage error, which a bad path given on the command line is too.
 EXIT_USAGE = 2
@@ -27,11 +27,7 @@ def existing_dir(path: Path, what: str, files: Sequence[str] = ()) -> Path:
     ValueError
         ``path`` is not a directory.
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{what} {path} does not exist")
-    if not path.is_dir():
-        raise ValueError(f"{what} {path} is not a directory")
+    path = _existing(path, what, Path.is_dir, "directory")
     missing = [name for name in files if not (path / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{what} {path} has no {', '.join(missing)}")
@@ -48,12 +44,7 @@ def existing_file(path: Path, what: str) -> Path:
     ValueError
         ``path`` is a directory or another non-file.
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{what} {path} does not exist")
-    if not path.is_file():
-        raise ValueError(f"{what} {path} is not a file")
-    return path
+    return _existing(path, what, Path.is_file, "file")
 
 
 def writable_dir(path: Path, what: str) -> Path:
@@ -107,6 +98,17 @@ def exit_with_error(prog: str, exc: Exception) -> NoReturn:
     line ``PROG: error: MESSAGE`` on stderr (no traceback, no usage block)."""
     sys.stderr.write(f"{prog}: error: {exc}\n")
     raise SystemExit(EXIT_USAGE)
+
+
+def _existing(path: Path, what: str, is_kind: Callable[[Path], bool], kind: str) -> Path:
+    """``Path(path)`` if it exists and ``is_kind`` of it holds; else ``FileNotFoundError``
+    (missing) or ``ValueError`` (``path`` is not a ``kind``)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not is_kind(path):
+        raise ValueError(f"{what} {path} is not a {kind}")
+    return path
 
 
 def _nearest_existing(path: Path) -> Path:
