@@ -612,3 +612,102 @@ def test_evaluate_path_errors_are_one_line(run_final, tmp_path, capsys):
         line = _one_line_exit_2(zeval.main, argv, capsys)
         assert line.startswith(f"python -m specdecode.zoo.evaluate: error: {option} ")
         assert expected in line, line
+
+
+def _usage_error(main, argv: list, capsys) -> str:
+    """``main(argv)`` ends as argparse's usage error: exit code 2, the usage block and one
+    ``PROG: error:`` line, no traceback; returns that line."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert err.startswith("usage: ") and len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_evaluate_numeric_options_are_usage_errors(tmp_path, capsys):
+    # The paths do not exist: a bad number is refused before any path is looked at.
+    paths = [f"--{name}={tmp_path / name}" for name in ("target", "draft", "tokenizer", "heldout")]
+    prog = "python -m specdecode.zoo.evaluate"
+    for option, value, expected in (
+        ("--seq-len", "0", "expected an int >= 1, got 0"),
+        ("--seq-len", "x", "expected an int >= 1, got 'x'"),
+        ("--max-windows", "0", "expected an int >= 1, got 0"),
+        ("--prompts", "-1", "expected an int >= 1, got -1"),
+        ("--prompt-len", "0", "expected an int >= 1, got 0"),
+        ("--new-tokens", "7", "expected an int >= 8, got 7"),  # the longest chain measured
+        ("--sample-tokens", "-1", "expected an int >= 0, got -1"),
+        ("--threads", "0", "expected an int >= 1, got 0"),
+    ):
+        line = _usage_error(zeval.main, [*paths, option, value], capsys)
+        assert line == f"{prog}: error: argument {option}: {expected}"
+    line = _usage_error(zeval.main, [*paths, "--seq-len", "16", "--prompt-len", "18"], capsys)
+    assert line == f"{prog}: error: argument --prompt-len: 18 exceeds --seq-len + 1 = 17"
+
+
+@needs_pair
+def test_evaluate_inputs_that_do_not_fit_the_options_are_one_line(
+    run_final, tmp_path, capsys, monkeypatch, keep_threads
+):
+    """A held-out stream shorter than one window, of the wrong shape or type or vocabulary, or
+    lengths past the models' max length: one error line naming the option, before any
+    measurement; a stream of exactly one window is measured."""
+    measured = []
+    real_pair_stats = zeval.pair_stats
+
+    def pair_stats(*args, **kwargs):
+        measured.append(1)
+        return real_pair_stats(*args, **kwargs)
+
+    monkeypatch.setattr(zeval, "pair_stats", pair_stats)
+    streams = {
+        "short": np.arange(16, dtype=np.uint16),
+        "window": np.arange(17, dtype=np.uint16),
+        "2d": np.zeros((2, 40), dtype=np.uint16),
+        "float": np.zeros(40, dtype=np.float32),
+        "vocab": np.full(40, 512, dtype=np.int64),  # the tiny model's vocabulary is 512
+        "long": np.arange(200, dtype=np.uint16),
+    }
+    for name, array in streams.items():
+        np.save(tmp_path / f"{name}.npy", array)
+    tokenizer = zoo.path(PAIR) / ztrain.TOKENIZER_NAME
+
+    def argv(stream, *extra, model=run_final):
+        return [
+            *("--target", str(model), "--draft", str(model), "--tokenizer", str(tokenizer)),
+            *("--heldout", str(tmp_path / f"{stream}.npy"), "--seq-len", "16"),
+            *("--max-windows", "2", "--prompts", "1", "--prompt-len", "8", "--new-tokens", "8"),
+            *extra,
+        ]
+
+    prog = "python -m specdecode.zoo.evaluate: error: "
+    for args, expected in (
+        (
+            argv("short", "--no-samples"),
+            f"--heldout {tmp_path / 'short.npy'} holds 16 tokens, fewer than one window of "
+            "--seq-len 16 + 1",
+        ),
+        (argv("2d", "--no-samples"), "expected a 1-D integer array, got a 2-D uint16 array"),
+        (argv("float", "--no-samples"), "expected a 1-D integer array, got a 1-D float32 array"),
+        (argv("vocab", "--no-samples"), "holds token id 512, outside the models' vocabulary"),
+        (
+            argv("long", "--no-samples", "--seq-len", "100"),
+            "--seq-len 100 exceeds the models' max length 64",
+        ),
+        (
+            argv("long", "--no-samples", "--prompt-len", "17", "--new-tokens", "48"),
+            "--prompt-len 17 + --new-tokens 48 exceed the models' max length 64",
+        ),
+        (argv("long"), f"--tokenizer {tokenizer} has 8192 pieces, more than the target's"),
+        (
+            argv("long", "--sample-tokens", "1020", model=zoo.path(PAIR) / "target"),
+            "--sample-tokens 1020 after the longest sample prompt",
+        ),
+    ):
+        line = _one_line_exit_2(zeval.main, args, capsys)
+        assert line.startswith(prog) and expected in line, line
+    assert not measured
+    assert zeval.main(argv("window", "--no-samples")) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert measured and result["pair"]["positions"] == 16

@@ -1,13 +1,18 @@
-"""Checks of the paths the zoo's commands read and write, before any work is done.
+"""Checks of the paths the zoo's commands read and write, and of their numeric options, before
+any work is done.
 
-Each check returns the path or raises ``FileNotFoundError`` (something that should be there is
-not) or ``ValueError`` (it is there but of the wrong kind, or cannot be written), with a message
-that names ``what`` the path is for; :func:`exit_with_error` turns them into the one-line error of
-a command.
+Each path check returns the path or raises ``FileNotFoundError`` (something that should be there
+is not) or ``ValueError`` (it is there but of the wrong kind, or cannot be written), with a
+message that names ``what`` the path is for; :func:`exit_with_error` turns them into the one-line
+error of a command.
+
+A numeric option's range is checked by its argparse ``type`` (:func:`int_at_least`): a value out
+of range is argparse's usage error naming the option, as a value that is no number at all is.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -91,6 +96,24 @@ def writable_file(path: Path, what: str) -> Path:
         raise FileNotFoundError(f"{what} {path}: the directory {parent} does not exist")
     _check_writable(parent, what, path)
     return path
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int ``>= minimum`` (else argparse's usage error, which names the
+    option: ``argument --seq-len: expected an int >= 1, got 0``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an int >= {minimum}, got {text!r}"
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def exit_with_error(prog: str, exc: Exception) -> NoReturn:

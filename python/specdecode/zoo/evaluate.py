@@ -26,7 +26,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from ._paths import existing_dir, existing_file, exit_with_error, writable_file
+from ._paths import existing_dir, existing_file, exit_with_error, int_at_least, writable_file
 from .tokenizer import Tokenizer
 
 SAMPLE_PROMPTS = (
@@ -35,6 +35,9 @@ SAMPLE_PROMPTS = (
     "class Stack:\n    def __init__(self):\n",
     "    for i, line in enumerate(",
 )
+
+# Draft chain lengths of the chain statistics (``chain_k``).
+CHAIN_KS = (1, 2, 4, 8)
 
 
 @torch.no_grad()
@@ -202,7 +205,8 @@ def load_inputs(
     Raises
     ------
     FileNotFoundError, ValueError
-        As :func:`check_paths`, or a model, the tokenizer or the stream cannot be loaded.
+        As :func:`check_paths`, a model, the tokenizer or the stream cannot be loaded, or they do
+        not fit the options (:func:`check_inputs`).
     """
     from ..models import Transformer
 
@@ -219,7 +223,62 @@ def load_inputs(
         stream = np.load(args.heldout)
     except ValueError as exc:
         raise ValueError(f"--heldout {args.heldout} is not a .npy token stream: {exc}") from None
+    check_inputs(args, target, draft, tok, stream)
     return target, draft, tok, stream
+
+
+def check_inputs(
+    args: argparse.Namespace, target, draft, tok: Tokenizer, stream: np.ndarray
+) -> None:
+    """The loaded inputs against the options, before any work is done.
+
+    Raises
+    ------
+    ValueError
+        The held-out stream is not a 1-D integer array, holds fewer than ``--seq-len + 1``
+        tokens (one window) or a token outside the models' vocabulary; ``--seq-len``, or
+        ``--prompt-len`` with ``--new-tokens``, exceeds the models' max length; or (unless
+        ``--no-samples``) a sample prompt with ``--sample-tokens`` exceeds the target's max
+        length, or the tokenizer has more pieces than the target's vocabulary.
+    """
+    if stream.ndim != 1 or not np.issubdtype(stream.dtype, np.integer):
+        raise ValueError(
+            f"--heldout {args.heldout} is not a token stream: expected a 1-D integer array, got "
+            f"a {stream.ndim}-D {stream.dtype} array"
+        )
+    if stream.size < args.seq_len + 1:
+        raise ValueError(
+            f"--heldout {args.heldout} holds {stream.size} tokens, fewer than one window of "
+            f"--seq-len {args.seq_len} + 1"
+        )
+    vocab = min(int(target.vocab_size), int(draft.vocab_size))
+    low, high = int(stream.min()), int(stream.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"--heldout {args.heldout} holds token id {low if low < 0 else high}, outside the "
+            f"models' vocabulary [0, {vocab})"
+        )
+    length = min(int(target.max_length), int(draft.max_length))
+    if args.seq_len > length:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the models' max length {length}")
+    if args.prompt_len + args.new_tokens > length:
+        raise ValueError(
+            f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceed the models' "
+            f"max length {length}"
+        )
+    if args.no_samples:
+        return
+    if tok.vocab_size > int(target.vocab_size):
+        raise ValueError(
+            f"--tokenizer {args.tokenizer} has {tok.vocab_size} pieces, more than the target's "
+            f"vocabulary of {int(target.vocab_size)}"
+        )
+    longest = max(len(tok.encode(text, bos=True)) for text in SAMPLE_PROMPTS)
+    if longest + args.sample_tokens > int(target.max_length):
+        raise ValueError(
+            f"--sample-tokens {args.sample_tokens} after the longest sample prompt ({longest} "
+            f"tokens) exceed the target's max length {int(target.max_length)}"
+        )
 
 
 def main(argv=None) -> int:
@@ -228,16 +287,28 @@ def main(argv=None) -> int:
     p.add_argument("--draft", type=Path, required=True)
     p.add_argument("--tokenizer", type=Path, required=True)
     p.add_argument("--heldout", type=Path, required=True, help="heldout.npy of the data dir")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--max-windows", type=int, default=1000)
-    p.add_argument("--prompts", type=int, default=16, help="held-out prompts for chain stats")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=96)
-    p.add_argument("--sample-tokens", type=int, default=80)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seq-len", type=int_at_least(1), default=512)
+    p.add_argument("--max-windows", type=int_at_least(1), default=1000)
+    p.add_argument(
+        "--prompts", type=int_at_least(1), default=16, help="held-out prompts for chain stats"
+    )
+    p.add_argument("--prompt-len", type=int_at_least(1), default=128, help="at most --seq-len + 1")
+    p.add_argument(
+        "--new-tokens",
+        type=int_at_least(max(CHAIN_KS)),
+        default=96,
+        help=f"target tokens per prompt for chain stats (>= {max(CHAIN_KS)}, the longest chain)",
+    )
+    p.add_argument("--sample-tokens", type=int_at_least(0), default=80)
+    p.add_argument("--threads", type=int_at_least(1), default=1)
     p.add_argument("--no-samples", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.prompt_len > args.seq_len + 1:
+        # A prompt is the start of a held-out window of --seq-len + 1 tokens.
+        p.error(
+            f"argument --prompt-len: {args.prompt_len} exceeds --seq-len + 1 = {args.seq_len + 1}"
+        )
     torch.set_num_threads(args.threads)
     try:
         target, draft, tok, stream = load_inputs(args)
@@ -248,7 +319,7 @@ def main(argv=None) -> int:
     # Prompts: evenly spaced held-out windows' first prompt-len tokens.
     idx = np.linspace(0, windows.shape[0] - 1, num=min(args.prompts, windows.shape[0]))
     prompts = windows[idx.astype(np.int64)][:, : args.prompt_len]
-    result["chains"] = chain_stats(target, draft, prompts, args.new_tokens, ks=(1, 2, 4, 8))
+    result["chains"] = chain_stats(target, draft, prompts, args.new_tokens, ks=CHAIN_KS)
     if not args.no_samples:
         samples = []
         for text in SAMPLE_PROMPTS:
