@@ -273,7 +273,7 @@ def keep_threads():
 
 
 @pytest.mark.slow
-def test_train_command_logs_checkpoints_and_resumes_exactly(tmp_path, keep_threads):
+def test_train_command_logs_checkpoints_and_resumes_exactly(tmp_path, keep_threads, capsys):
     from safetensors.torch import load_file
 
     _fake_stdlib(tmp_path / "lib")
@@ -292,8 +292,8 @@ def test_train_command_logs_checkpoints_and_resumes_exactly(tmp_path, keep_threa
     # Interrupted at step 3 and resumed: the same weights and log as the uninterrupted run.
     assert ztrain.main(_train_args(tmp_path, "part", "--stop-after", "3")) == 0
     assert not (tmp_path / "part" / "final").exists()
-    with pytest.raises(SystemExit, match="--resume"):
-        ztrain.main(_train_args(tmp_path, "part"))
+    capsys.readouterr()
+    assert "pass --resume" in _one_line_exit_2(ztrain.main, _train_args(tmp_path, "part"), capsys)
     assert ztrain.main(_train_args(tmp_path, "part", "--resume")) == 0
     a = load_file(str(final / "model.safetensors"))
     b = load_file(str(tmp_path / "part" / "final" / "model.safetensors"))
@@ -307,8 +307,9 @@ def test_train_command_logs_checkpoints_and_resumes_exactly(tmp_path, keep_threa
         assert r["step"] == q["step"] and r["train_loss"] == q["train_loss"]
 
     # A resume with a changed schedule is refused, naming the argument.
-    with pytest.raises(SystemExit, match="--lr"):
-        ztrain.main(_train_args(tmp_path, "part", "--resume", "--lr", "1e-3"))
+    capsys.readouterr()
+    argv = _train_args(tmp_path, "part", "--resume", "--lr", "1e-3")
+    assert "--resume: --lr was 0.003, now 0.001" in _one_line_exit_2(ztrain.main, argv, capsys)
 
     # Export: float16 copies of both models with the tokenizer, manifest and logs; they load.
     from specdecode.zoo import export as zexport
@@ -711,3 +712,57 @@ def test_evaluate_inputs_that_do_not_fit_the_options_are_one_line(
     assert zeval.main(argv("window", "--no-samples")) == 0
     result = json.loads(capsys.readouterr().out)
     assert measured and result["pair"]["positions"] == 16
+
+
+def test_train_numeric_options_are_usage_errors(tmp_path, capsys):
+    run = tmp_path / "run"
+    base = ["--model", "tiny", "--run-dir", str(run)]
+    prog = f"{ztrain.PROG}: error: argument"
+    for option, value, expected in (
+        ("--steps", "0", "expected an int >= 1, got 0"),
+        ("--batch-size", "-2", "expected an int >= 1, got -2"),
+        ("--seq-len", "0", "expected an int >= 1, got 0"),
+        ("--seq-len", "4096", "4096 exceeds the tiny model's max_position_embeddings 64"),
+        ("--lr", "0", "expected a finite float > 0, got 0.0"),
+        ("--lr", "nan", "expected a finite float > 0, got nan"),
+        ("--min-lr", "-0.5", "expected a finite float >= 0, got -0.5"),
+        ("--warmup", "-1", "expected an int >= 0, got -1"),
+        ("--weight-decay", "inf", "expected a finite float >= 0, got inf"),
+        ("--clip", "0", "expected a finite float > 0, got 0.0"),
+        ("--threads", "0", "expected an int >= 1, got 0"),
+        ("--log-every", "0", "expected an int >= 1, got 0"),
+        ("--eval-every", "0", "expected an int >= 1, got 0"),
+        ("--eval-windows", "0", "expected an int >= 1, got 0"),
+        ("--checkpoint-minutes", "-1", "expected a finite float >= 0, got -1.0"),
+        ("--stop-after", "0", "expected an int >= 1, got 0"),
+        ("--distill-alpha", "2", "expected a float in [0, 1], got 2.0"),
+        ("--distill-temperature", "0", "expected a finite float > 0, got 0.0"),
+        ("--distill-temperature", "x", "expected a finite float > 0, got 'x'"),
+    ):
+        line = _usage_error(ztrain.main, [*base, option, value], capsys)
+        assert line == f"{prog} {option}: {expected}"
+    assert not run.exists()
+
+
+def test_train_resume_errors_are_one_line_before_any_work(tmp_path, capsys):
+    """A missing checkpoint with --resume, a checkpoint without --resume, and a checkpoint whose
+    options differ from the command line's: one error line, exit 2, before the data is built."""
+    _fake_stdlib(tmp_path / "lib")
+    run, data = tmp_path / "run", tmp_path / "data"
+    argv = _train_args(tmp_path, "run")
+    prog = f"{ztrain.PROG}: error: "
+    line = _one_line_exit_2(ztrain.main, [*argv, "--resume"], capsys)
+    assert line == f"{prog}--resume: no checkpoint at {run / 'checkpoint.pt'}"
+    run.mkdir()
+    saved = vars(ztrain.parse_args(argv))
+    torch.save({"args": saved}, run / "checkpoint.pt")
+    line = _one_line_exit_2(ztrain.main, argv, capsys)
+    assert line == f"{prog}{run / 'checkpoint.pt'} exists: pass --resume or use a new --run-dir"
+    for extra, expected in (
+        (["--lr", "1e-3"], "--lr was 0.003, now 0.001"),
+        (["--seq-len", "16"], "--seq-len was 32, now 16"),
+        (["--model", "draft"], "--model was tiny, now draft"),
+    ):
+        line = _one_line_exit_2(ztrain.main, [*argv, "--resume", *extra], capsys)
+        assert line == f"{prog}--resume: {expected}"
+    assert not data.exists() and sorted(run.iterdir()) == [run / "checkpoint.pt"]

@@ -6,13 +6,15 @@ is not) or ``ValueError`` (it is there but of the wrong kind, or cannot be writt
 message that names ``what`` the path is for; :func:`exit_with_error` turns them into the one-line
 error of a command.
 
-A numeric option's range is checked by its argparse ``type`` (:func:`int_at_least`): a value out
-of range is argparse's usage error naming the option, as a value that is no number at all is.
+A numeric option's range is checked by its argparse ``type`` (:func:`int_at_least`,
+:func:`float_in`): a value out of range is argparse's usage error naming the option, as a value
+that is no number at all is.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -111,6 +113,29 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
             ) from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def float_in(
+    low: float, high: float = math.inf, *, low_open: bool = False
+) -> Callable[[str], float]:
+    """An argparse ``type``: a finite float in ``[low, high]`` (``(low, high]`` with
+    ``low_open``); else argparse's usage error, which names the option."""
+    if high == math.inf:
+        wanted = f"a finite float {'>' if low_open else '>='} {low:g}"
+    else:
+        wanted = f"a float in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        above = value > low if low_open else value >= low
+        if not (math.isfinite(value) and above and value <= high):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
         return value
 
     return parse

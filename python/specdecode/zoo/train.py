@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._paths import existing_dir, exit_with_error, writable_dir
+from ._paths import existing_dir, exit_with_error, float_in, int_at_least, writable_dir
 from .corpus import MANIFEST_NAME, Corpus
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_sentencepiece
 
@@ -322,35 +322,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--corpus-root", type=Path, default=None, help="default: this interpreter's stdlib"
     )
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
+    # A number out of range is argparse's usage error naming the option (its type checks it).
+    positive = float_in(0.0, low_open=True)
+    p.add_argument("--steps", type=int_at_least(1), default=1500)
+    p.add_argument("--batch-size", type=int_at_least(1), default=4)
+    p.add_argument("--seq-len", type=int_at_least(1), default=512)
+    p.add_argument("--lr", type=positive, default=1e-3)
+    p.add_argument("--min-lr", type=float_in(0.0), default=1e-4)
+    p.add_argument("--warmup", type=int_at_least(0), default=50)
+    p.add_argument("--weight-decay", type=float_in(0.0), default=0.1)
+    p.add_argument("--clip", type=positive, default=1.0, help="gradient-norm clipping")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-windows", type=int, default=32, help="held-out windows of --seq-len")
-    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--threads", type=int_at_least(1), default=1, help="torch intra-op threads")
+    p.add_argument("--log-every", type=int_at_least(1), default=10)
+    p.add_argument("--eval-every", type=int_at_least(1), default=100)
+    p.add_argument(
+        "--eval-windows", type=int_at_least(1), default=32, help="held-out windows of --seq-len"
+    )
+    p.add_argument("--checkpoint-minutes", type=float_in(0.0), default=5.0)
     p.add_argument("--resume", action="store_true", help="continue from run-dir/checkpoint.pt")
     p.add_argument(
-        "--stop-after", type=int, default=None, help="checkpoint and exit after this step"
+        "--stop-after",
+        type=int_at_least(1),
+        default=None,
+        help="checkpoint and exit after this step",
     )
     p.add_argument("--init-from", type=Path, default=None, help="start from these weights")
     p.add_argument("--distill-from", type=Path, default=None, help="teacher (target) directory")
-    p.add_argument("--distill-alpha", type=float, default=1.0, help="weight of the KL term")
-    p.add_argument("--distill-temperature", type=float, default=1.0)
+    p.add_argument(
+        "--distill-alpha", type=float_in(0.0, 1.0), default=1.0, help="weight of the KL term"
+    )
+    p.add_argument("--distill-temperature", type=positive, default=1.0)
     args = p.parse_args(argv)
-    if args.steps <= 0 or args.batch_size <= 0 or args.seq_len <= 0:
-        p.error("--steps, --batch-size and --seq-len must be positive")
-    if not 0.0 <= args.distill_alpha <= 1.0 or args.distill_temperature <= 0:
-        p.error("--distill-alpha must be in [0, 1] and --distill-temperature positive")
-    if args.seq_len > MODEL_PRESETS[args.model]["max_position_embeddings"]:
-        p.error("--seq-len exceeds the model's max_position_embeddings")
+    longest = MODEL_PRESETS[args.model]["max_position_embeddings"]
+    if args.seq_len > longest:
+        p.error(
+            f"argument --seq-len: {args.seq_len} exceeds the {args.model} model's "
+            f"max_position_embeddings {longest}"
+        )
     return args
 
 
@@ -379,10 +388,39 @@ def check_paths(args: argparse.Namespace) -> None:
             existing_dir(directory, option, ("config.json",))
 
 
+def read_checkpoint(args: argparse.Namespace) -> Optional[Dict]:
+    """The checkpoint of ``--run-dir`` that ``--resume`` continues from (None without
+    ``--resume``), checked against the command line before any work is done.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``--resume`` and the run directory holds no checkpoint.
+    ValueError
+        The run directory holds a checkpoint and ``--resume`` is not given, or an option that
+        must not change between a run and its resumption differs from the checkpoint's.
+    """
+    path = args.run_dir / "checkpoint.pt"
+    if not args.resume:
+        if path.exists():
+            raise ValueError(f"{path} exists: pass --resume or use a new --run-dir")
+        return None
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
+    ck = torch.load(path, weights_only=False)
+    for key in _RESUME_MUST_MATCH:
+        old = ck["args"].get(key)
+        new = getattr(args, key)
+        if str(old) != str(new):
+            raise ValueError(f"--resume: --{key.replace('_', '-')} was {old}, now {new}")
+    return ck
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         check_paths(args)
+        ck = read_checkpoint(args)
     except (ValueError, FileNotFoundError) as exc:
         exit_with_error(PROG, exc)
     torch.set_num_threads(args.threads)
@@ -415,15 +453,7 @@ def main(argv=None) -> int:
     # Running sum of train losses since the last log line (kept in checkpoints so a resumed
     # run logs the same means).
     run_loss, run_n = 0.0, 0
-    if args.resume:
-        if not ckpt_path.exists():
-            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
-        ck = torch.load(ckpt_path, weights_only=False)
-        for key in _RESUME_MUST_MATCH:
-            old = ck["args"].get(key)
-            new = getattr(args, key)
-            if str(old) != str(new):
-                raise SystemExit(f"--resume: --{key.replace('_', '-')} was {old}, now {new}")
+    if ck is not None:
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         step = ck["step"]
@@ -431,8 +461,6 @@ def main(argv=None) -> int:
         run_loss, run_n = ck.get("run_loss", 0.0), ck.get("run_n", 0)
         _set_rng_state(ck["rng"])
         _log(f"resumed at step {step}")
-    elif ckpt_path.exists():
-        raise SystemExit(f"{ckpt_path} exists: pass --resume or use a new --run-dir")
 
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     _log(
