@@ -84,6 +84,24 @@ def test_config_validation():
         benchmark.BenchConfig(model="/nonexistent/dir").validate()
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # inf passed `t >= 0` and failed only in the engine, after the transformers rows ran.
+        (dict(temperatures=(0.0, float("inf"))), "temperatures: expected finite numbers >= 0"),
+        (dict(temperatures=(float("nan"),)), "temperatures: expected finite numbers >= 0"),
+        (dict(temperatures=("1",)), "temperatures: expected finite numbers >= 0"),
+        (dict(seed=-1), r"seed: expected an int in \[0, 2\*\*62\), got -1"),
+        # Prompt i runs with seed + i, which the engine refuses past int64.
+        (dict(seed=2**63 - 1), r"seed: expected an int in \[0, 2\*\*62\)"),
+    ],
+)
+def test_config_validation_of_temperatures_and_seed(change, message):
+    with pytest.raises(ValueError, match=message):
+        benchmark.BenchConfig(**change).validate()
+    benchmark.BenchConfig(temperatures=(0, 0.5, 2), seed=0).validate()
+
+
 @pytest.mark.slow
 def test_tiny_run_table_and_identity(models, tmp_path):
     torch.set_num_threads(1)

@@ -33,6 +33,7 @@ import gzip
 import importlib.metadata
 import importlib.resources
 import json
+import math
 import os
 import platform
 import statistics
@@ -119,16 +120,29 @@ class BenchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-            if value < (0 if name == "seed" else 1):
+            if name != "seed" and value < 1:
                 raise ValueError(f"{name}: expected >= 1, got {value}")
+        # Prompt i is decoded with seed + i (the engine takes int64 seeds): the bound of the
+        # command line's --seed elsewhere, checked here before any row runs.
+        if not 0 <= self.seed < 2**62:
+            raise ValueError(f"seed: expected an int in [0, 2**62), got {self.seed}")
         if not self.datasets or any(d not in DATASETS for d in self.datasets):
             raise ValueError(f"datasets: expected a non-empty subset of {DATASETS}")
         if not self.batch_sizes or any(
             isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes
         ):
             raise ValueError(f"batch_sizes: expected positive ints, got {list(self.batch_sizes)}")
-        if not self.temperatures or any(not (t >= 0) for t in self.temperatures):
-            raise ValueError(f"temperatures: expected values >= 0, got {list(self.temperatures)}")
+        if not self.temperatures or any(
+            isinstance(t, bool)
+            or not isinstance(t, (int, float))
+            or not (math.isfinite(t) and t >= 0)
+            for t in self.temperatures
+        ):
+            # inf passed `t >= 0` and reached the engine's check only after the transformers
+            # rows had run; a string raised a bare comparison TypeError.
+            raise ValueError(
+                f"temperatures: expected finite numbers >= 0, got {list(self.temperatures)}"
+            )
         for name in ("model", "draft", "tokenizer"):
             value = getattr(self, name)
             if value is not None and not os.path.exists(value):
