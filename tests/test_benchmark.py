@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import pytest
 import torch
@@ -186,3 +187,27 @@ def test_command_reports_bad_options_without_a_traceback(capsys):
     assert "model: '/nonexistent/dir' does not exist" in capsys.readouterr().err
     assert benchmark.main(["--num-prompts", "0", "--quiet"]) == 2
     assert "num_prompts" in capsys.readouterr().err
+    threads = torch.get_num_threads()
+    assert benchmark.main(["--threads", "0", "--quiet"]) == 2  # was a ValueError traceback
+    assert "--threads: expected >= 1, got 0" in capsys.readouterr().err
+    assert torch.get_num_threads() == threads
+
+
+def _no_run(*args, **kwargs):
+    raise AssertionError("the benchmark ran although its outputs cannot be written")
+
+
+def test_unwritable_output_folder_is_reported_before_the_run(tmp_path, monkeypatch, capsys):
+    """write_outputs used to fail with an OSError traceback after every row had run."""
+    monkeypatch.setattr(benchmark, "run_benchmark", _no_run)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert benchmark.main(["--out", str(blocker / "results"), "--quiet"]) == 2
+    assert f"--out: cannot write to {str(blocker / 'results')!r}" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_is_reported_before_the_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(benchmark, "run_benchmark", _no_run)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    assert benchmark.main(["--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "pip install matplotlib, or pass --no-plot" in capsys.readouterr().err

@@ -875,20 +875,45 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
-def run_from_args(args: argparse.Namespace, command: str) -> int:
-    """Runs the benchmark for parsed arguments, writes the outputs, prints the report."""
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads: expected >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+def _check_outputs(out_dir: Path, plot: bool) -> None:
+    """Raises ValueError if ``out_dir`` cannot be created or written to, ModuleNotFoundError if
+    ``plot`` and matplotlib is missing."""
     try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".specdecode-bench-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out: cannot write to {str(out_dir)!r}: {e.strerror or e}") from None
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ModuleNotFoundError(
+                "the plot needs matplotlib: pip install matplotlib, or pass --no-plot"
+            ) from None
+
+
+def run_from_args(args: argparse.Namespace, command: str) -> int:
+    """Runs the benchmark for parsed arguments, writes the outputs, prints the report.
+
+    Everything the outputs need (the output folder, matplotlib for the plot) is checked before
+    the first row runs: a run of many minutes is not lost to an error at the end."""
+    out_dir = Path(args.out)
+    try:
+        if args.threads is not None:
+            if args.threads < 1:
+                raise ValueError(f"--threads: expected >= 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
         config = config_from_args(args)
+        config.validate()
+        _check_outputs(out_dir, plot=not args.no_plot)
         rows, meta = run_benchmark(config, quiet=args.quiet)
     except (FileNotFoundError, ModuleNotFoundError, TypeError, ValueError) as e:
         # Bad options, a missing bundled pair or a missing optional package: a message, no trace.
         print(f"specdecode bench: error: {e}", file=sys.stderr)
         return 2
-    paths = write_outputs(rows, meta, Path(args.out), command, plot=not args.no_plot)
+    paths = write_outputs(rows, meta, out_dir, command, plot=not args.no_plot)
     print(format_report(rows, meta, command))
     for line in goals(rows):
         print("goal:", line)
