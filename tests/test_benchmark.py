@@ -4,6 +4,7 @@ Face layout, loaded by both libraries), the table's structure and the greedy ide
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -166,6 +167,28 @@ def test_identity_check_reports_a_mismatch(models, monkeypatch):
     by_method = {r.method: r.identical for r in rows}
     assert by_method["cacheback"] == (0, 2)
     assert by_method["model chain"] == (2, 2)
+
+
+class _WrongTokenizer(_ByteTokenizer):
+    path = "another model's tokenizer"
+
+    def encode(self, text: str) -> list[int]:
+        return super().encode(text) + [VOCAB + 7]
+
+
+def test_tokenizer_outside_the_vocabulary_is_a_value_error_before_any_row(models):
+    """transformers' rows used to end in an IndexError traceback from the embedding."""
+    config = benchmark.BenchConfig(
+        datasets=("humaneval",),
+        num_prompts=1,
+        max_new_tokens=2,
+        repeats=1,
+        batch_sizes=(1,),
+        temperatures=(0.0,),
+    )
+    wrong = dataclasses.replace(models, tokenizer=_WrongTokenizer())
+    with pytest.raises(ValueError, match=f"tokenizer: .* gives token id {VOCAB + 7} "):
+        benchmark.run_benchmark(config, models=wrong, quiet=True)
 
 
 def test_cli_parses_bench_options():

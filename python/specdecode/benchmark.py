@@ -506,10 +506,27 @@ def run_benchmark(
             texts, sources = prose_prompts(config.num_prompts)
             meta["prose_sources"] = sources
         prompts = [models.tokenizer.encode(t)[-keep:] for t in texts]
+        _check_prompts(prompts, dataset, models)
         meta["prompt_tokens"][dataset] = [len(p) for p in prompts]
         for temperature in config.temperatures:
             rows += _measure(config, models, dataset, prompts, float(temperature), hf, quiet)
     return rows, meta
+
+
+def _check_prompts(prompts: list[list[int]], dataset: str, models: _Models) -> None:
+    """Raises ValueError for an empty prompt or a token id outside the target's vocabulary (a
+    tokenizer that does not belong to the model), before any row runs: transformers' rows would
+    stop with an IndexError traceback, specdecode's with a ValueError only after them."""
+    vocab = int(models.ours_target.vocab_size)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"tokenizer: {dataset} prompt {i} encodes to no tokens")
+        bad = next((t for t in p if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"tokenizer: {models.tokenizer.path!r} gives token id {bad} ({dataset} prompt "
+                f"{i}), outside the target's vocabulary [0, {vocab}); is it the model's tokenizer?"
+            )
 
 
 def _median_runs(run: Callable[[], tuple], repeats: int) -> tuple[list[float], tuple]:
