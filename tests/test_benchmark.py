@@ -169,6 +169,39 @@ def test_identity_check_reports_a_mismatch(models, monkeypatch):
     assert by_method["model chain"] == (2, 2)
 
 
+def test_identity_check_covers_every_timed_pass(models, monkeypatch):
+    """Every timed pass counts in tokens/s, so each pass's output is checked: only the first
+    timed pass's used to be, and a later pass that went wrong still reported n/n."""
+    real = benchmark._run_ours
+    calls = {"cacheback": 0, "autoregressive": 0}
+
+    def later_pass_corrupted(models_, method, prompts, batch, temperature, new, seed):
+        seconds, outs, *rest = real(models_, method, prompts, batch, temperature, new, seed)
+        if method in calls:
+            calls[method] += 1
+            if calls[method] == 3:  # warm-up, first timed pass, then this one
+                outs = [outs[0], [(t + 1) % VOCAB for t in outs[1]]]
+        return (seconds, outs, *rest)
+
+    monkeypatch.setattr(benchmark, "_run_ours", later_pass_corrupted)
+    config = benchmark.BenchConfig(
+        datasets=("humaneval",),
+        num_prompts=2,
+        max_new_tokens=4,
+        repeats=2,
+        batch_sizes=(1,),
+        temperatures=(0.0,),
+        hf=False,
+    )
+    rows, _ = benchmark.run_benchmark(config, models=models, quiet=True)
+    by_method = {r.method: r for r in rows}
+    assert by_method["cacheback"].identical == (1, 2)
+    assert by_method["model chain"].identical == (2, 2)
+    # Without transformers rows the reference row's passes are checked against its first one.
+    assert by_method["autoregressive"].identical == (1, 2)
+    assert by_method["autoregressive"].reference == "its own first pass"
+
+
 class _WrongTokenizer(_ByteTokenizer):
     path = "another model's tokenizer"
 

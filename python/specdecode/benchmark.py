@@ -20,8 +20,9 @@ over transformers' autoregressive (batch 1, same temperature) and over specdecod
 autoregressive (same batch, same temperature), tokens per target pass, acceptance rate (accepted
 draft tokens / draft depth offered; specdecode rows only), and for greedy rows how many prompts'
 outputs equal the autoregressive reference of the same library (specdecode's ``NoDrafter`` at batch
-1, resp. transformers' autoregressive); specdecode's ``NoDrafter`` at batch 1 is compared with
-transformers' autoregressive output.
+1, resp. transformers' autoregressive) in every timed pass; specdecode's ``NoDrafter`` at batch 1
+is compared with transformers' autoregressive output (without transformers rows: with its own
+first pass).
 """
 
 from __future__ import annotations
@@ -529,15 +530,30 @@ def _check_prompts(prompts: list[list[int]], dataset: str, models: _Models) -> N
             )
 
 
-def _median_runs(run: Callable[[], tuple], repeats: int) -> tuple[list[float], tuple]:
-    """Warm-up pass, then ``repeats`` timed passes; (tokens/s per pass, first timed result)."""
+def _median_runs(run: Callable[[], tuple], repeats: int) -> tuple[list[float], list[tuple]]:
+    """Warm-up pass, then ``repeats`` timed passes; (tokens/s per pass, result of each pass)."""
     run()
-    speeds, first = [], None
+    speeds, results = [], []
     for _ in range(repeats):
         result = run()
-        first = first or result
+        results.append(result)
         speeds.append(result[2] / result[0] if result[0] > 0 else 0.0)
-    return speeds, first
+    return speeds, results
+
+
+def _identical(
+    passes: Sequence[Sequence[Sequence[int]]], reference: Sequence[Sequence[int]]
+) -> tuple[int, int]:
+    """(prompts whose output equals the reference's in every timed pass, prompts): each pass
+    counts in tokens/s, so each pass's output is checked, not only the first one's."""
+    same = [True] * len(reference)
+    for outputs in passes:
+        if len(outputs) != len(reference):
+            raise ValueError(
+                f"outputs: {len(outputs)} sequences, the reference has {len(reference)}"
+            )
+        same = [s and list(a) == list(b) for s, a, b in zip(same, outputs, reference)]
+    return sum(same), len(reference)
 
 
 def _measure(
@@ -557,13 +573,15 @@ def _measure(
         for method in HF_METHODS:
             if method == "assisted (draft)" and models.hf_draft is None:
                 continue
-            speeds, (_, outs, ntok, calls) = _median_runs(
+            speeds, results = _median_runs(
                 lambda m=method: _run_hf(models, m, prompts, temperature, new, config.seed),
                 config.repeats,
             )
+            _, outs, ntok, calls = results[0]
             if method == "autoregressive":
-                hf_ref = outs
-            ident = (count_identical(outs, hf_ref), len(outs)) if greedy and hf_ref else None
+                hf_ref = outs  # its first pass; its other passes are checked against it
+            passes = [r[1] for r in results]
+            ident = _identical(passes, hf_ref) if greedy and hf_ref else None
             rows.append(
                 Row(
                     dataset,
@@ -592,20 +610,25 @@ def _measure(
         for method in SPECDECODE_METHODS:
             if method.startswith("model") and models.ours_draft is None:
                 continue
-            speeds, (_, outs, ntok, steps, acc, off) = _median_runs(
+            speeds, results = _median_runs(
                 lambda m=method, b=batch: _run_ours(
                     models, m, prompts, b, temperature, new, config.seed
                 ),
                 config.repeats,
             )
+            _, outs, ntok, steps, acc, off = results[0]
+            passes = [r[1] for r in results]
             if greedy and ours_ref is None and method == "autoregressive":
                 # The first specdecode row (batch sizes in the given order) is the reference of
-                # the others; it is itself compared with transformers' autoregressive output.
+                # the others (its first pass); it is itself compared with transformers'
+                # autoregressive output, or without transformers rows with its own first pass.
                 ours_ref = outs
-                ident = (count_identical(outs, hf_ref), len(outs)) if hf_ref else None
-                reference = "transformers autoregressive"
+                if hf_ref:
+                    ident, reference = _identical(passes, hf_ref), "transformers autoregressive"
+                else:
+                    ident, reference = _identical(passes, outs), "its own first pass"
             else:
-                ident = (count_identical(outs, ours_ref), len(outs)) if greedy else None
+                ident = _identical(passes, ours_ref) if greedy and ours_ref else None
                 reference = f"specdecode autoregressive, batch {batch_sizes[0]}"
             rows.append(
                 Row(
@@ -719,9 +742,10 @@ _NOTES = """\
   target, prefill included, which also yields the first token).
 * acceptance: accepted draft tokens / draft depth offered (specdecode only; transformers does not
   report it).
-* greedy identical: prompts whose output equals the reference token for token: transformers rows
-  vs transformers' autoregressive; specdecode's first autoregressive row vs transformers'
-  autoregressive; the other specdecode rows vs that first row.
+* greedy identical: prompts whose output equals the reference token for token in every timed
+  pass: transformers rows vs transformers' autoregressive (its first pass); specdecode's first
+  autoregressive row vs transformers' autoregressive (without transformers rows: vs its own first
+  pass); the other specdecode rows vs that row's first pass.
 * transformers rows are batch 1 only: `prompt_lookup_num_tokens` and `assistant_model` take one
   sequence.
 """
