@@ -202,6 +202,36 @@ def test_identity_check_covers_every_timed_pass(models, monkeypatch):
     assert by_method["autoregressive"].reference == "its own first pass"
 
 
+def test_tokens_per_step_and_acceptance_cover_every_timed_pass(models, monkeypatch):
+    """They came from the first timed pass alone, beside a tokens/s over all passes; a
+    CostAwareBudget cuts drafts by measured times, so passes differ."""
+    passes = {}
+    # (target passes, accepted, offered) of the warm-up and the two timed passes.
+    counts = [(1, 0, 0), (2, 3, 4), (6, 1, 4)]
+
+    def fake(models_, method, prompts, batch, temperature, new, seed):
+        i = passes[method] = passes.get(method, -1) + 1
+        outs = [[5] * new for _ in prompts]
+        return (1.0, outs, new * len(prompts), *counts[i])
+
+    monkeypatch.setattr(benchmark, "_run_ours", fake)
+    config = benchmark.BenchConfig(
+        datasets=("humaneval",),
+        num_prompts=2,
+        max_new_tokens=4,
+        repeats=2,
+        batch_sizes=(1,),
+        temperatures=(0.0,),
+        hf=False,
+    )
+    rows, _ = benchmark.run_benchmark(config, models=models, quiet=True)
+    cacheback = next(r for r in rows if r.method == "cacheback")
+    assert cacheback.new_tokens == 8  # per pass
+    assert cacheback.tokens_per_step == 16 / 8  # was 8 / 2
+    assert cacheback.acceptance == 4 / 8  # was 3 / 4
+    assert cacheback.identical == (2, 2)
+
+
 class _WrongTokenizer(_ByteTokenizer):
     path = "another model's tokenizer"
 

@@ -17,12 +17,12 @@ distributions; see :func:`prose_prompts`). No stop token is used, so every run g
 
 Columns: tokens/s (median of ``repeats`` timed passes over all prompts, prefill included), speedup
 over transformers' autoregressive (batch 1, same temperature) and over specdecode's own
-autoregressive (same batch, same temperature), tokens per target pass, acceptance rate (accepted
-draft tokens / draft depth offered; specdecode rows only), and for greedy rows how many prompts'
-outputs equal the autoregressive reference of the same library (specdecode's ``NoDrafter`` at batch
-1, resp. transformers' autoregressive) in every timed pass; specdecode's ``NoDrafter`` at batch 1
-is compared with transformers' autoregressive output (without transformers rows: with its own
-first pass).
+autoregressive (same batch, same temperature), tokens per sequence and target pass, acceptance
+rate (accepted draft tokens / draft depth offered; specdecode rows only), both over all timed
+passes, and for greedy rows how many prompts' outputs equal the autoregressive reference of the
+same library (specdecode's ``NoDrafter`` at batch 1, resp. transformers' autoregressive) in every
+timed pass; specdecode's ``NoDrafter`` at batch 1 is compared with transformers' autoregressive
+output (without transformers rows: with its own first pass).
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ class Row:
     tokens_per_s: float  # median over repeats
     runs_tokens_per_s: list[float]
     new_tokens: int  # per timed pass
-    tokens_per_step: float  # new tokens per target forward pass
-    acceptance: Optional[float]  # accepted / offered draft depth; None where not measured
+    tokens_per_step: float  # new tokens per sequence and target forward pass, all timed passes
+    acceptance: Optional[float]  # accepted / offered draft depth, all timed passes; None: none
     identical: Optional[tuple[int, int]]  # (prompts equal to the reference, prompts); greedy only
     reference: str  # what ``identical`` compares with
     speedup_hf: Optional[float] = None
@@ -577,7 +577,9 @@ def _measure(
                 lambda m=method: _run_hf(models, m, prompts, temperature, new, config.seed),
                 config.repeats,
             )
-            _, outs, ntok, calls = results[0]
+            _, outs, ntok, _ = results[0]
+            # Over every timed pass, as tokens/s.
+            tokens, calls = (sum(r[k] for r in results) for k in (2, 3))
             if method == "autoregressive":
                 hf_ref = outs  # its first pass; its other passes are checked against it
             passes = [r[1] for r in results]
@@ -592,7 +594,7 @@ def _measure(
                     statistics.median(speeds),
                     speeds,
                     ntok,
-                    ntok / calls if calls else 0.0,
+                    tokens / calls if calls else 0.0,
                     None,
                     ident,
                     "transformers autoregressive",
@@ -616,7 +618,10 @@ def _measure(
                 ),
                 config.repeats,
             )
-            _, outs, ntok, steps, acc, off = results[0]
+            _, outs, ntok, *_ = results[0]
+            # Over every timed pass, as tokens/s: with a CostAwareBudget, whose cuts follow
+            # measured times, the drafts (and at T > 0 the tokens) differ from pass to pass.
+            tokens, steps, acc, off = (sum(r[k] for r in results) for k in (2, 3, 4, 5))
             passes = [r[1] for r in results]
             if greedy and ours_ref is None and method == "autoregressive":
                 # The first specdecode row (batch sizes in the given order) is the reference of
@@ -640,7 +645,7 @@ def _measure(
                     statistics.median(speeds),
                     speeds,
                     ntok,
-                    ntok / steps if steps else 0.0,
+                    tokens / steps if steps else 0.0,
                     acc / off if method != "autoregressive" and off else None,
                     ident,
                     reference,
@@ -738,10 +743,11 @@ _NOTES = """\
 * tokens/s: generated tokens / wall time of a pass over all prompts (prefill included).
 * vs HF AR: over transformers' autoregressive `generate` (batch 1, same temperature); vs our AR:
   over specdecode's NoDrafter at the same batch size and temperature.
-* tokens/step: generated tokens per target forward pass (transformers: forward calls of the
-  target, prefill included, which also yields the first token).
-* acceptance: accepted draft tokens / draft depth offered (specdecode only; transformers does not
-  report it).
+* tokens/step: generated tokens per sequence and target forward pass, over all timed passes (at
+  batch 8 a pass advances 8 sequences, and counts once for each; transformers: forward calls of
+  the target, prefill included, which also yields the first token).
+* acceptance: accepted draft tokens / draft depth offered, over all timed passes (specdecode only;
+  transformers does not report it).
 * greedy identical: prompts whose output equals the reference token for token in every timed
   pass: transformers rows vs transformers' autoregressive (its first pass); specdecode's first
   autoregressive row vs transformers' autoregressive (without transformers rows: vs its own first
