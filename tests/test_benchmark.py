@@ -232,6 +232,30 @@ def test_tokens_per_step_and_acceptance_cover_every_timed_pass(models, monkeypat
     assert cacheback.identical == (2, 2)
 
 
+def test_report_says_how_many_prompts_ran():
+    """The header repeated --num-prompts although HumanEval has only 164 problems."""
+    meta = dict(
+        model="m",
+        target_dir="t",
+        draft_dir="d",
+        tokenizer="tok",
+        date="today",
+        machine="x86_64",
+        cpus=2,
+        torch="2",
+        torch_threads=1,
+        transformers=None,
+        config=dataclasses.asdict(benchmark.BenchConfig(num_prompts=200)),
+        prompt_tokens={"humaneval": [100] * 164, "prose": [150] * 200},
+    )
+    report = benchmark.format_report([], meta, "specdecode bench --num-prompts 200")
+    assert "200 prompts per dataset" not in report
+    assert "prompts: humaneval 164, prose 200 (200 asked for" in report
+    meta["prompt_tokens"] = {"humaneval": [100] * 200}
+    report = benchmark.format_report([], meta, "specdecode bench --num-prompts 200")
+    assert "200 prompts per dataset, 128 new tokens each" in report
+
+
 class _WrongTokenizer(_ByteTokenizer):
     path = "another model's tokenizer"
 

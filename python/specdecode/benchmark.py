@@ -721,6 +721,16 @@ def format_table(rows: Sequence[Row]) -> str:
 def format_report(rows: Sequence[Row], meta: dict[str, Any], command: str) -> str:
     """Markdown: the run's description, the table and the notes on its columns."""
     cfg = meta["config"]
+    # A dataset may hold fewer prompts than asked for (HumanEval has 164): say how many ran.
+    counts = {k: len(v) for k, v in meta["prompt_tokens"].items()}
+    if all(n == cfg["num_prompts"] for n in counts.values()):
+        prompts = f"{cfg['num_prompts']} prompts per dataset"
+    else:
+        prompts = (
+            "prompts: "
+            + ", ".join(f"{k} {n}" for k, n in counts.items())
+            + f" ({cfg['num_prompts']} asked for; a dataset with fewer runs all it has)"
+        )
     out = [
         f"Model: {meta['model']} (target `{meta['target_dir']}`, draft `{meta['draft_dir']}`, "
         f"tokenizer `{meta['tokenizer']}`)  ",
@@ -729,7 +739,7 @@ def format_report(rows: Sequence[Row], meta: dict[str, Any], command: str) -> st
         f"{meta.get('kernel_threads', '?')} ({meta.get('kernel_threading', '?')}), transformers "
         f"{meta['transformers']}  ",
         f"Command: `{command}`  ",
-        f"{cfg['num_prompts']} prompts per dataset, {cfg['max_new_tokens']} new tokens each "
+        f"{prompts}, {cfg['max_new_tokens']} new tokens each "
         f"(no stop token), median of {cfg['repeats']} passes after one warm-up; prompt tokens: "
         + ", ".join(f"{k} {v}" for k, v in meta["prompt_tokens"].items()),
     ]
