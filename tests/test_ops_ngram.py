@@ -522,6 +522,38 @@ def test_draft_errors(cache):
         cache.draft(t32([0]), ctx, t32([2]), 4.0, 2)
 
 
+@pytest.mark.parametrize("dtype", [">i4", object])
+def test_numpy_dtypes_dlpack_cannot_carry_are_type_errors(cache, dtype):
+    """A big-endian or object numpy array failed in the DLPack export with a ValueError that
+    named no dtype; it is a TypeError, as the other wrong dtypes are."""
+    before = cache.table_state(0)
+
+    def bad(values):
+        return np.array(values).astype(dtype)
+
+    got = "expected dtype int32, got a numpy array of dtype " + (
+        "object" if dtype is object else ">i4"
+    )
+    with pytest.raises(TypeError, match=f"tokens: {got}"):
+        cache.update(t32([0]), bad([1, 2]), t32([0, 2]))
+    with pytest.raises(TypeError, match=f"offsets: {got}"):
+        cache.update(t32([0]), t32([1, 2]), bad([0, 2]))
+    with pytest.raises(TypeError, match=f"contexts: {got}"):
+        cache.draft(t32([0]), bad([[1, 2]]), t32([2]), 4, 2)
+    with pytest.raises(TypeError, match=f"context_lens: {got}"):
+        cache.draft(t32([0]), t32([[1, 2]]), bad([2]), 4, 2)
+    with pytest.raises(TypeError, match=f"slots: {got}"):
+        cache.reset(bad([0]))
+    with pytest.raises(TypeError, match=f"slots: {got}"):
+        cache.end_stream(bad([0]))
+    assert cache.table_state(0) == before
+    # Other errors of a call with good numpy dtypes are unchanged.
+    with pytest.raises(ValueError, match="offsets: the last offset"):
+        cache.update(
+            np.array([0], np.int32), np.array([1, 2], np.int32), np.array([0, 1], np.int32)
+        )
+
+
 def test_draft_reads_strided_context_rows():
     c = NGramCache(1, 2, max_sequences=2)
     c.update(t32([0, 1]), t32([1, 2, 3, 1, 2, 3]), t32([0, 3, 6]))

@@ -223,6 +223,21 @@ def test_wrong_dtype(dtype):
         ops.tree_info(torch.tensor([[-1, 0]]).to(dtype))
 
 
+@pytest.mark.parametrize(
+    "dtype, got",
+    [(">i4", r">i4 \(int32 in non-native byte order\)"), (object, "object"), ("<U2", "<U2")],
+)
+def test_numpy_dtypes_dlpack_cannot_carry_are_type_errors(dtype, got):
+    """A big-endian or object numpy array failed in the DLPack export, a ValueError that named no
+    dtype; it is a wrong dtype, reported as the other wrong dtypes are."""
+    parents = np.array([[-1, 0, 1]]).astype(dtype)
+    message = f"parents: expected dtype int32, got a numpy array of dtype {got}"
+    with pytest.raises(TypeError, match=message):
+        ops.tree_info(parents)
+    with pytest.raises(TypeError, match=message):
+        ops.tree_paths(parents)
+
+
 def test_wrong_rank():
     with pytest.raises(ValueError, match=r"parents: expected shape \[B, N\]"):
         ops.tree_info(torch.tensor([-1, 0], dtype=torch.int32))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -1152,6 +1153,46 @@ def test_numpy_inputs_and_int32_seeds():
     )
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("big_endian", [True, False])
+def test_numpy_dtypes_torch_cannot_read_are_type_errors(big_endian):
+    """A big-endian or object numpy array raised torch.from_numpy's own ValueError/TypeError,
+    which named neither the argument nor the dtypes it takes."""
+    logits = np.random.default_rng(0).standard_normal((2, 3, 10)).astype(np.float32)
+    tokens = np.ones((2, 3), dtype=np.int64)
+
+    def bad(a):
+        return a.astype(a.dtype.newbyteorder(">") if big_endian else object)
+
+    def got(a):
+        if not big_endian:
+            return "object"
+        return re.escape(f"{bad(a).dtype.str} ({a.dtype.name} in non-native byte order)")
+
+    floats = "float32, float16 or bfloat16"
+    cases = [
+        ("target", dict(target=bad(logits)), floats, got(logits)),
+        ("tokens", dict(tokens=bad(tokens)), "int32 or int64", got(tokens)),
+        ("draft_probs", dict(draft_probs=bad(logits)), floats, got(logits)),
+        ("seed", dict(seed=bad(np.arange(2))), "an int32 or int64 array", got(np.arange(2))),
+        ("top_p", dict(top_p=bad(np.ones(2, np.float32))), "a float array", got(logits)),
+    ]
+    if not big_endian:  # uint8 has no byte order
+        cases.append(
+            ("allow", dict(allow=bad(np.ones((2, 3), np.uint8))), r"bool \(or uint8\)", "object")
+        )
+    for name, change, expected, dtype_text in cases:
+        kw = dict(target=logits, tokens=tokens, seed=0, offset=0, temperature=1.0)
+        kw.update(change)
+        message = f"{name}: expected {expected}, got a numpy array of dtype {dtype_text}"
+        with pytest.raises(TypeError, match=message):
+            ops.verify(kw.pop("target"), kw.pop("tokens"), **kw)
+    message = f"logits: expected {floats}, got a numpy array of dtype {got(logits)}"
+    with pytest.raises(TypeError, match=message):
+        ops.sample(bad(logits[:, 0]), seed=0, offset=0)
+    with pytest.raises(TypeError, match=message):
+        ops.sampling_probs(bad(logits[:, 0]))
 
 
 @pytest.mark.parametrize(

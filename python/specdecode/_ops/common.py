@@ -50,6 +50,41 @@ def holds_bool(x: list | tuple) -> bool:
     return False
 
 
+def _numpy_dtype_problem(dtype: np.dtype) -> str | None:
+    """How a numpy dtype that DLPack (and torch.from_numpy) cannot carry is described in an
+    error; None for the dtypes it carries (bool, ints, float16/32/64, complex64/128)."""
+    if not dtype.isnative:
+        return f"{dtype.str} ({dtype.newbyteorder('=').name} in non-native byte order)"
+    kind, size = dtype.kind, dtype.itemsize
+    if kind in "biu" or (kind == "f" and size in (2, 4, 8)) or (kind == "c" and size in (8, 16)):
+        return None
+    return str(dtype)
+
+
+def numpy_dtype_error(name: str, x: Any, expected: str) -> TypeError | None:
+    """The TypeError for a numpy array whose dtype cannot cross DLPack (non-native byte order,
+    object, str, datetime, longdouble, ...), in the words of the dtype checks: ``expected`` says
+    which dtypes `name` takes. None where `x` is no such array.
+
+    Called only after a conversion or a native call has failed, so that it costs nothing where
+    the inputs are good; the export's own error, a ValueError, would not name the dtypes."""
+    if not isinstance(x, np.ndarray):
+        return None
+    problem = _numpy_dtype_problem(x.dtype)
+    if problem is None:
+        return None
+    return TypeError(f"{name}: expected {expected}, got a numpy array of dtype {problem}")
+
+
+def raise_numpy_dtype_error(expected: str, **arrays: Any) -> None:
+    """Raises :func:`numpy_dtype_error`'s TypeError for the first of `arrays` (name=array) that
+    has one; returns otherwise. For the except clause of a native call that takes the arrays."""
+    for name, x in arrays.items():
+        error = numpy_dtype_error(name, x, expected)
+        if error is not None:
+            raise error from None
+
+
 def as_array(x: Any, name: str, dtype: torch.dtype | None = None) -> Any:
     """Passes torch tensors and numpy arrays through; wraps other ``__dlpack__`` producers in a
     torch tensor (zero-copy) so that callers can read ``.shape``; turns nested Python

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import _C
-from .common import as_array
+from .common import as_array, raise_numpy_dtype_error
 from .tree import MAX_TREE_NODES
 
 __all__ = ["DraftTree", "NGramCache"]
@@ -233,11 +233,15 @@ class NGramCache:
             Wrong shapes, a CUDA array, a slot out of range or repeated, offsets not monotone,
             a negative token id, or a frozen cache.
         """
-        self._native.update(
-            _int32_array(slots, "slots"),
-            _int32_array(tokens, "tokens"),
-            _int32_array(offsets, "offsets"),
-        )
+        slots = _int32_array(slots, "slots")
+        tokens = _int32_array(tokens, "tokens")
+        offsets = _int32_array(offsets, "offsets")
+        try:
+            self._native.update(slots, tokens, offsets)
+        except ValueError:
+            # A numpy array DLPack cannot carry (byte order, object dtype) is a dtype error.
+            raise_numpy_dtype_error("dtype int32", slots=slots, tokens=tokens, offsets=offsets)
+            raise
 
     def draft(
         self,
@@ -299,17 +303,23 @@ class NGramCache:
         tokens = np.empty((batch, max_nodes), dtype=np.int32)
         parents = np.empty((batch, max_nodes), dtype=np.int32)
         num_nodes = np.empty((batch,), dtype=np.int32)
-        self._native.draft(
-            slots,
-            contexts,
-            context_lens,
-            max_nodes,
-            max_depth,
-            bool(chain),
-            tokens,
-            parents,
-            num_nodes,
-        )
+        try:
+            self._native.draft(
+                slots,
+                contexts,
+                context_lens,
+                max_nodes,
+                max_depth,
+                bool(chain),
+                tokens,
+                parents,
+                num_nodes,
+            )
+        except ValueError:
+            raise_numpy_dtype_error(
+                "dtype int32", slots=slots, contexts=contexts, context_lens=context_lens
+            )
+            raise
         tokens, parents, num_nodes = (torch.from_numpy(a) for a in (tokens, parents, num_nodes))
         return DraftTree(tokens, parents, num_nodes)
 
@@ -319,7 +329,12 @@ class NGramCache:
         Forgets the slots' tails and, with per-slot tables, their tables; with ``shared=True``
         the shared tables keep what they learnt. ``slots``: int32 ``[B]``, distinct.
         """
-        self._native.reset(_int32_array(slots, "slots"), False)
+        slots = _int32_array(slots, "slots")
+        try:
+            self._native.reset(slots, False)
+        except ValueError:
+            raise_numpy_dtype_error("dtype int32", slots=slots)
+            raise
 
     def end_stream(self, slots: Any) -> None:
         """Ends the slots' token streams without forgetting their tables.
@@ -327,7 +342,12 @@ class NGramCache:
         The next :meth:`update` starts a new stream: no n-gram spans the boundary (between two
         documents of a corpus, say). ``slots``: int32 ``[B]``, distinct.
         """
-        self._native.reset(_int32_array(slots, "slots"), True)
+        slots = _int32_array(slots, "slots")
+        try:
+            self._native.reset(slots, True)
+        except ValueError:
+            raise_numpy_dtype_error("dtype int32", slots=slots)
+            raise
 
     def clear(self) -> None:
         """Forgets every slot's tables and tail."""

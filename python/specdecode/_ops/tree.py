@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import _C
-from .common import as_array, device_of, empty, stream_of
+from .common import as_array, device_of, empty, raise_numpy_dtype_error, stream_of
 
 MAX_TREE_NODES = 1024
 
@@ -77,7 +77,12 @@ def _tree_info(parents: Any, with_mask: bool) -> TreeInfo:
     mask = empty((batch, n, words), torch.uint32, device) if with_mask else None
     num_nodes = empty((batch,), torch.int32, device)
     status = empty((batch, 2), torch.int32, device)
-    _C.tree_info(parents, depth, mask, num_nodes, status, stream_of(device))
+    try:
+        _C.tree_info(parents, depth, mask, num_nodes, status, stream_of(device))
+    except ValueError:
+        # A numpy array DLPack cannot carry (byte order, object dtype) is a dtype error.
+        raise_numpy_dtype_error("dtype int32", parents=parents)
+        raise
     _raise_tree_errors(parents, status)
     return TreeInfo(depth, mask, num_nodes)
 

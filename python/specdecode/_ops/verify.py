@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import _C
-from .common import as_array, holds_bool, multiprocessors, stream_of
+from .common import as_array, holds_bool, multiprocessors, numpy_dtype_error, stream_of
 from .tree import MAX_TREE_NODES, tree_info
 
 MAX_VOCAB = 256 * 2048
@@ -105,9 +105,20 @@ class SampleResult(NamedTuple):
 # ---- argument conversion -------------------------------------------------------------------------
 
 
-def _tensor(x: Any, name: str, numeric: bool = False) -> torch.Tensor:
+# The dtypes the arguments take, in the words of their dtype checks (and of the TypeError for a
+# numpy array whose dtype cannot be read at all).
+_FLOAT_DTYPES = "float32, float16 or bfloat16"
+_INT_DTYPES = "int32 or int64"
+_BOOL_DTYPES = "bool (or uint8)"
+_INT_ARRAY = "an int32 or int64 array"
+_FLOAT_ARRAY = "a float array"
+
+
+def _tensor(x: Any, name: str, expected: str, numeric: bool = False) -> torch.Tensor:
     """`x` as a torch tensor (zero-copy for arrays). A list keeps the dtype torch infers (int64
-    or float32); with `numeric` a bool in it is a TypeError, which torch would make a number."""
+    or float32); with `numeric` a bool in it is a TypeError, which torch would make a number.
+    A numpy array torch cannot read (non-native byte order, object, str, ...) is a TypeError
+    naming the `expected` dtypes."""
     if isinstance(x, (list, tuple)):
         if numeric and holds_bool(x):
             raise TypeError(f"{name}: expected numbers, got a list holding a bool")
@@ -117,7 +128,14 @@ def _tensor(x: Any, name: str, numeric: bool = False) -> torch.Tensor:
             raise ValueError(f"{name}: cannot make an array from the given list: {exc}") from None
     x = as_array(x, name)
     if isinstance(x, np.ndarray):
-        return torch.from_numpy(x)
+        try:
+            return torch.from_numpy(x)
+        except (TypeError, ValueError):
+            # torch's own errors name neither the argument nor what it takes.
+            error = numpy_dtype_error(name, x, expected)
+            if error is None:
+                raise
+            raise error from None
     if isinstance(x, torch.Tensor):
         return x
     raise TypeError(
@@ -132,7 +150,7 @@ _INTS = (torch.int32, torch.int64)
 
 def _check_float_rows(x: torch.Tensor, name: str, ndim: int) -> None:
     if x.dtype not in _FLOATS:
-        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {x.dtype}")
+        raise TypeError(f"{name}: expected {_FLOAT_DTYPES}, got {x.dtype}")
     if x.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {list(x.shape)}")
     if not x.is_contiguous():
@@ -145,9 +163,9 @@ def _same_device(x: torch.Tensor, name: str, device: torch.device) -> None:
 
 
 def _int_rows(x: Any, name: str, batch: int, n: int, device: torch.device) -> torch.Tensor:
-    t = _tensor(x, name, numeric=True)
+    t = _tensor(x, name, _INT_DTYPES, numeric=True)
     if t.dtype not in _INTS:
-        raise TypeError(f"{name}: expected int32 or int64, got {t.dtype}")
+        raise TypeError(f"{name}: expected {_INT_DTYPES}, got {t.dtype}")
     if tuple(t.shape) != (batch, n):
         raise ValueError(f"{name}: expected shape [B, N] = [{batch}, {n}], got {list(t.shape)}")
     _same_device(t, name, device)
@@ -207,11 +225,11 @@ def _per_sequence(
         if bad(float(value)):
             raise ValueError(f"{name}: expected a value in {rng}, got {value!r}")
         return _constant(value, batch, dtype, device)
-    t = _tensor(value, name, numeric=True)
+    t = _tensor(value, name, _INT_ARRAY if integer else _FLOAT_ARRAY, numeric=True)
     if integer and t.dtype not in _INTS:
-        raise TypeError(f"{name}: expected an int32 or int64 array, got {t.dtype}")
+        raise TypeError(f"{name}: expected {_INT_ARRAY}, got {t.dtype}")
     if not integer and not (t.dtype.is_floating_point or t.dtype in _INTS):
-        raise TypeError(f"{name}: expected a float array, got {t.dtype}")
+        raise TypeError(f"{name}: expected {_FLOAT_ARRAY}, got {t.dtype}")
     if t.dim() == 0:
         t = t.reshape(1).expand(batch)
     if tuple(t.shape) != (batch,):
@@ -450,9 +468,9 @@ def _draft_deterministic(
         )
     if isinstance(value, (bool, np.bool_)):
         return torch.full((batch,), bool(value), dtype=torch.bool, device=device)
-    t = _tensor(value, "draft_deterministic")
+    t = _tensor(value, "draft_deterministic", _BOOL_DTYPES)
     if t.dtype not in (torch.bool, torch.uint8):
-        raise TypeError(f"draft_deterministic: expected bool (or uint8), got {t.dtype}")
+        raise TypeError(f"draft_deterministic: expected {_BOOL_DTYPES}, got {t.dtype}")
     if tuple(t.shape) != (batch,):
         raise ValueError(
             f"draft_deterministic: expected a bool or shape [B] = [{batch}], got {list(t.shape)}"
@@ -680,7 +698,7 @@ def verify(
         raise ValueError(f"method: expected one of {sorted(_METHODS)}, got {method!r}")
     if correction not in ("residual", "target"):
         raise ValueError(f"correction: expected 'residual' or 'target', got {correction!r}")
-    target_t = _tensor(target, "target")
+    target_t = _tensor(target, "target", _FLOAT_DTYPES)
     _check_float_rows(target_t, "target", 3)
     batch, n, vocab = (int(s) for s in target_t.shape)
     if not 1 <= n <= MAX_TREE_NODES:
@@ -698,7 +716,7 @@ def verify(
         num_nodes_t = _per_sequence(num_nodes, "num_nodes", batch, torch.int32, device, 1, n)
     draft_t = None
     if draft_probs is not None:
-        draft_t = _tensor(draft_probs, "draft_probs")
+        draft_t = _tensor(draft_probs, "draft_probs", _FLOAT_DTYPES)
         _check_float_rows(draft_t, "draft_probs", 3)
         if tuple(draft_t.shape) != (batch, n, vocab):
             raise ValueError(
@@ -709,9 +727,9 @@ def verify(
     deterministic_t = _draft_deterministic(draft_deterministic, draft_t, batch, device)
     allow_t = None
     if allow is not None:
-        allow_t = _tensor(allow, "allow")
+        allow_t = _tensor(allow, "allow", _BOOL_DTYPES)
         if allow_t.dtype not in (torch.bool, torch.uint8):
-            raise TypeError(f"allow: expected bool (or uint8), got {allow_t.dtype}")
+            raise TypeError(f"allow: expected {_BOOL_DTYPES}, got {allow_t.dtype}")
         if tuple(allow_t.shape) != (batch, n):
             raise ValueError(
                 f"allow: expected shape [B, N] = [{batch}, {n}], got {list(allow_t.shape)}"
@@ -799,7 +817,7 @@ def sample(
     TypeError, ValueError
         As :func:`verify`, naming the argument.
     """
-    x = _tensor(logits, "logits")
+    x = _tensor(logits, "logits", _FLOAT_DTYPES)
     _check_float_rows(x, "logits", 2)
     batch = int(x.shape[0])
     tokens = torch.zeros((batch, 1), dtype=torch.int32, device=x.device)
@@ -877,7 +895,7 @@ def sampling_probs(
     TypeError, ValueError
         As :func:`verify`, naming the argument.
     """
-    x = _tensor(logits, "logits")
+    x = _tensor(logits, "logits", _FLOAT_DTYPES)
     _check_float_rows(x, "logits", 2)
     batch, vocab = int(x.shape[0]), int(x.shape[1])
     if not 1 <= vocab <= MAX_VOCAB:
