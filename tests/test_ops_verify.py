@@ -1213,6 +1213,114 @@ def test_lists_holding_bools_are_refused(kwargs, name):
         ops.verify(logits, args.pop("tokens"), **args)
 
 
+def test_lists_convert_by_their_values_as_the_tensor_path_would():
+    """A list is converted by the values it holds: its numpy scalars used to decide the dtype,
+    so a target list of numpy float64s was refused (float64) and token lists of numpy int8 /
+    uint8 scalars too, while the same values as Python numbers passed."""
+    logits = torch.randn(2, 3, 10)
+    tokens = [[0, 1, 2], [0, 3, 4]]
+    want = ops.verify(logits, torch.tensor(tokens), seed=[1, 2], offset=0, temperature=0.5)
+    as_float64 = [[[np.float64(v) for v in row] for row in b] for b in logits.tolist()]
+    for target, toks in (
+        (logits.tolist(), tokens),
+        (as_float64, tokens),
+        (logits, [[np.uint8(t) for t in row] for row in tokens]),
+        (logits, [[0, np.int8(1), 2], [0, np.int16(3), np.int64(4)]]),
+    ):
+        got = ops.verify(target, toks, seed=[1, 2], offset=0, temperature=[0.5, np.float32(0.5)])
+        for x, y in zip(want, got):
+            assert torch.equal(x, y)
+    # An empty list is an empty array of the argument's kind (torch would make it float32).
+    empty = ops.verify(
+        torch.zeros(0, 3, 10), torch.zeros(0, 3, dtype=torch.int32), seed=[], offset=[], top_k=[]
+    )
+    assert empty.emitted.shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        # As a float tensor is refused for token ids, so is a float in a list of them.
+        (
+            {"tokens": [[0, 1.0, 2], [0, 3, 4]]},
+            TypeError,
+            "tokens: expected int32 or int64, got a list holding a float",
+        ),
+        (
+            {"tokens": [[0, np.float64(1), 2], [0, 3, 4]]},
+            TypeError,
+            "tokens: expected int32 or int64, got a list holding a float",
+        ),
+        (
+            {"parents": [[-1, 0, 1.0], [-1, 0, 1]]},
+            TypeError,
+            "parents: expected int32 or int64, got a list holding a float",
+        ),
+        (
+            {"seed": [0.0, 1.0]},
+            TypeError,
+            "seed: expected an int32 or int64 array, got a list holding a float",
+        ),
+        (
+            {"num_nodes": [1.0, 2]},
+            TypeError,
+            "num_nodes: expected an int32 or int64 array, got a list holding a float",
+        ),
+        # As an int tensor is refused for logits and probabilities, so is a list of only ints.
+        (
+            {"target": [[[0] * 9 + [1]] * 3] * 2},
+            TypeError,
+            r"target: expected float32, float16 or bfloat16, got a list of ints \(write 1.0",
+        ),
+        (
+            {"draft_probs": [[[0] * 9 + [1]] * 3] * 2},
+            TypeError,
+            "draft_probs: expected float32, float16 or bfloat16, got a list of ints",
+        ),
+        # A bool among floats was a silent 1.0.
+        (
+            {"target": [[[0.5] * 9 + [True]] * 3] * 2},
+            TypeError,
+            "target: expected numbers, got a list holding a bool",
+        ),
+        # None in a list was a RuntimeError from torch that named no argument.
+        (
+            {"tokens": [[0, None, 2], [0, 3, 4]]},
+            ValueError,
+            "tokens: cannot make an array from the given list",
+        ),
+        ({"seed": [np.uint64(1), 2]}, ValueError, "seed: cannot make an array from the given list"),
+        (
+            {"tokens": [[0, 1j, 2], [0, 3, 4]]},
+            TypeError,
+            "tokens: expected int32 or int64, got a list holding a complex",
+        ),
+    ],
+)
+def test_list_kind_errors(kwargs, error, message):
+    args = {"target": torch.randn(2, 3, 10), "tokens": [[0, 1, 2], [0, 3, 4]], "seed": 0}
+    args.update(kwargs)
+    if "draft_probs" in args:
+        args["temperature"] = 1.0
+    with pytest.raises(error, match=message):
+        ops.verify(args.pop("target"), args.pop("tokens"), offset=0, **args)
+
+
+def test_sample_and_sampling_probs_take_float_lists_only():
+    logits = [[0.5, 1.0, 2.0], [1.0, 0.0, 0.0]]
+    want = ops.sample(torch.tensor(logits), seed=0, offset=0)
+    got = ops.sample([[np.float64(v) for v in row] for row in logits], seed=0, offset=0)
+    assert torch.equal(want.tokens, got.tokens)
+    with pytest.raises(
+        TypeError, match="logits: expected float32, float16 or bfloat16, got a list of ints"
+    ):
+        ops.sample([[0, 1, 2]], seed=0, offset=0)
+    with pytest.raises(
+        TypeError, match="logits: expected float32, float16 or bfloat16, got a list of ints"
+    ):
+        ops.sampling_probs([[0, 1, 2]], target_is_logits=False)
+
+
 class _Producer:
     """A DLPack producer that is neither torch nor numpy (and has no __dlpack_device__)."""
 

@@ -6,6 +6,12 @@ Conventions shared by every op:
   CUDA device; they are read without a copy. Outputs are torch tensors on the same device. The
   attention ops (:func:`tree_attention`, :func:`compact_kv`), which models call from their
   forward pass and which are torch custom ops, take torch tensors only.
+* Nested Python lists (or tuples, of Python or numpy scalars) are converted, with a copy, by the
+  values they hold rather than by the scalar types torch would infer: where an op takes integers
+  (token ids, node indices, slots, seeds, ``top_k``) a float in the list is a ``TypeError``, as
+  a float tensor is; where it takes floats (logits, probabilities) the list becomes float32 and
+  one holding only ints is a ``TypeError``, as an int tensor is (write ``1.0``); temperature and
+  top_p take either; a bool in a numeric list is a ``TypeError`` (torch would make it 1).
 * Every op validates dtype, shape, device, contiguity and value ranges before native code runs and
   raises ``TypeError`` / ``ValueError`` naming the argument and what was expected.
 * Ragged batches use -1 (:data:`PAD_TOKEN`) as padding for token ids and node indices.

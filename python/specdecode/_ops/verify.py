@@ -114,18 +114,45 @@ _INT_ARRAY = "an int32 or int64 array"
 _FLOAT_ARRAY = "a float array"
 
 
-def _tensor(x: Any, name: str, expected: str, numeric: bool = False) -> torch.Tensor:
-    """`x` as a torch tensor (zero-copy for arrays). A list keeps the dtype torch infers (int64
-    or float32); with `numeric` a bool in it is a TypeError, which torch would make a number.
-    A numpy array torch cannot read (non-native byte order, object, str, ...) is a TypeError
-    naming the `expected` dtypes."""
+def _from_list(x: list | tuple, name: str, kind: str, expected: str) -> torch.Tensor:
+    """A nested list of numbers as a tensor of the `kind` of values `name` takes ("int",
+    "float", "number" (either) or "bool"), decided by the values it holds, not by the scalar
+    types torch would infer from them: ints (Python or numpy, of any width) make an int64 tensor,
+    a list holding any float a float32 one, an empty list one of `kind`.
+
+    As the tensor path refuses a float tensor for integers and an int tensor for floats, a float
+    in a list of `kind` "int" and a list of only ints of `kind` "float" are TypeErrors, and so is
+    a bool in a numeric list (torch would make it a 1)."""
+    if kind != "bool" and holds_bool(x):
+        raise TypeError(f"{name}: expected numbers, got a list holding a bool")
+    try:
+        t = torch.tensor(x)
+    except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: None, mixed uint64
+        raise ValueError(f"{name}: cannot make an array from the given list: {exc}") from None
+    if kind == "bool":
+        return t  # bool lists stay bool; other dtypes meet the caller's dtype check
+    if t.numel() == 0:
+        return t.to(torch.int64 if kind == "int" else torch.float32)
+    if t.dtype.is_complex:
+        raise TypeError(f"{name}: expected {expected}, got a list holding a complex number")
+    if t.dtype.is_floating_point:
+        if kind == "int":
+            raise TypeError(f"{name}: expected {expected}, got a list holding a float")
+        return t.to(torch.float32)
+    if kind == "float":
+        raise TypeError(
+            f"{name}: expected {expected}, got a list of ints (write 1.0 for 1, or pass a "
+            "float tensor)"
+        )
+    return t.to(torch.int64)
+
+
+def _tensor(x: Any, name: str, kind: str, expected: str) -> torch.Tensor:
+    """`x` as a torch tensor (zero-copy for arrays; a list is converted by :func:`_from_list`
+    to the `kind` of values `name` takes). A numpy array torch cannot read (non-native byte
+    order, object, str, ...) is a TypeError naming the `expected` dtypes."""
     if isinstance(x, (list, tuple)):
-        if numeric and holds_bool(x):
-            raise TypeError(f"{name}: expected numbers, got a list holding a bool")
-        try:
-            return torch.tensor(x)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{name}: cannot make an array from the given list: {exc}") from None
+        return _from_list(x, name, kind, expected)
     x = as_array(x, name)
     if isinstance(x, np.ndarray):
         try:
@@ -163,7 +190,7 @@ def _same_device(x: torch.Tensor, name: str, device: torch.device) -> None:
 
 
 def _int_rows(x: Any, name: str, batch: int, n: int, device: torch.device) -> torch.Tensor:
-    t = _tensor(x, name, _INT_DTYPES, numeric=True)
+    t = _tensor(x, name, "int", _INT_DTYPES)
     if t.dtype not in _INTS:
         raise TypeError(f"{name}: expected {_INT_DTYPES}, got {t.dtype}")
     if tuple(t.shape) != (batch, n):
@@ -225,7 +252,10 @@ def _per_sequence(
         if bad(float(value)):
             raise ValueError(f"{name}: expected a value in {rng}, got {value!r}")
         return _constant(value, batch, dtype, device)
-    t = _tensor(value, name, _INT_ARRAY if integer else _FLOAT_ARRAY, numeric=True)
+    if integer:
+        t = _tensor(value, name, "int", _INT_ARRAY)
+    else:
+        t = _tensor(value, name, "number", _FLOAT_ARRAY)
     if integer and t.dtype not in _INTS:
         raise TypeError(f"{name}: expected {_INT_ARRAY}, got {t.dtype}")
     if not integer and not (t.dtype.is_floating_point or t.dtype in _INTS):
@@ -468,7 +498,7 @@ def _draft_deterministic(
         )
     if isinstance(value, (bool, np.bool_)):
         return torch.full((batch,), bool(value), dtype=torch.bool, device=device)
-    t = _tensor(value, "draft_deterministic", _BOOL_DTYPES)
+    t = _tensor(value, "draft_deterministic", "bool", _BOOL_DTYPES)
     if t.dtype not in (torch.bool, torch.uint8):
         raise TypeError(f"draft_deterministic: expected {_BOOL_DTYPES}, got {t.dtype}")
     if tuple(t.shape) != (batch,):
@@ -689,6 +719,13 @@ def verify(
 
     Notes
     -----
+    Every array argument may also be a nested Python list (a copy, converted as
+    :mod:`specdecode.ops` describes): a float among ``tokens``, ``parents``, ``num_nodes``,
+    ``seed``, ``offset`` or ``top_k`` is a TypeError, as a float tensor is; ``target`` and
+    ``draft_probs`` lists become float32, and one holding only ints is a TypeError, as an int
+    tensor is; ``temperature`` and ``top_p`` lists take ints and floats; ``allow`` and
+    ``draft_deterministic`` lists hold bools; a bool in any numeric list is a TypeError.
+
     Zero-probability tokens are never emitted (in every method but ``allow``). Rows with NaN/Inf
     values only matter when the walk reads them: they set ``status`` and emit nothing there.
     Uniforms have 24 bits, so tokens of probability below about 6e-8 are drawn with slightly
@@ -698,7 +735,7 @@ def verify(
         raise ValueError(f"method: expected one of {sorted(_METHODS)}, got {method!r}")
     if correction not in ("residual", "target"):
         raise ValueError(f"correction: expected 'residual' or 'target', got {correction!r}")
-    target_t = _tensor(target, "target", _FLOAT_DTYPES)
+    target_t = _tensor(target, "target", "float", _FLOAT_DTYPES)
     _check_float_rows(target_t, "target", 3)
     batch, n, vocab = (int(s) for s in target_t.shape)
     if not 1 <= n <= MAX_TREE_NODES:
@@ -716,7 +753,7 @@ def verify(
         num_nodes_t = _per_sequence(num_nodes, "num_nodes", batch, torch.int32, device, 1, n)
     draft_t = None
     if draft_probs is not None:
-        draft_t = _tensor(draft_probs, "draft_probs", _FLOAT_DTYPES)
+        draft_t = _tensor(draft_probs, "draft_probs", "float", _FLOAT_DTYPES)
         _check_float_rows(draft_t, "draft_probs", 3)
         if tuple(draft_t.shape) != (batch, n, vocab):
             raise ValueError(
@@ -727,7 +764,7 @@ def verify(
     deterministic_t = _draft_deterministic(draft_deterministic, draft_t, batch, device)
     allow_t = None
     if allow is not None:
-        allow_t = _tensor(allow, "allow", _BOOL_DTYPES)
+        allow_t = _tensor(allow, "allow", "bool", _BOOL_DTYPES)
         if allow_t.dtype not in (torch.bool, torch.uint8):
             raise TypeError(f"allow: expected {_BOOL_DTYPES}, got {allow_t.dtype}")
         if tuple(allow_t.shape) != (batch, n):
@@ -817,7 +854,7 @@ def sample(
     TypeError, ValueError
         As :func:`verify`, naming the argument.
     """
-    x = _tensor(logits, "logits", _FLOAT_DTYPES)
+    x = _tensor(logits, "logits", "float", _FLOAT_DTYPES)
     _check_float_rows(x, "logits", 2)
     batch = int(x.shape[0])
     tokens = torch.zeros((batch, 1), dtype=torch.int32, device=x.device)
@@ -895,7 +932,7 @@ def sampling_probs(
     TypeError, ValueError
         As :func:`verify`, naming the argument.
     """
-    x = _tensor(logits, "logits", _FLOAT_DTYPES)
+    x = _tensor(logits, "logits", "float", _FLOAT_DTYPES)
     _check_float_rows(x, "logits", 2)
     batch, vocab = int(x.shape[0]), int(x.shape[1])
     if not 1 <= vocab <= MAX_VOCAB:
