@@ -232,6 +232,34 @@ def test_tokens_per_step_and_acceptance_cover_every_timed_pass(models, monkeypat
     assert cacheback.identical == (2, 2)
 
 
+def test_repeated_datasets_and_temperatures_run_once(models, monkeypatch):
+    """As a repeated batch size runs once; they used to give every row twice."""
+    monkeypatch.setattr(
+        benchmark,
+        "_run_ours",
+        lambda models_, method, prompts, batch, temperature, new, seed: (
+            1.0,
+            [[5] * new for _ in prompts],
+            new * len(prompts),
+            new * len(prompts),
+            0,
+            0,
+        ),
+    )
+    config = benchmark.BenchConfig(
+        datasets=("humaneval", "humaneval"),
+        num_prompts=1,
+        max_new_tokens=2,
+        repeats=1,
+        batch_sizes=(1, 1),
+        temperatures=(0.0, 1, -0.0, 1.0),
+        hf=False,
+    )
+    rows, _ = benchmark.run_benchmark(config, models=models, quiet=True)
+    keys = [(r.dataset, r.temperature, r.method, r.batch) for r in rows]
+    assert len(keys) == len(set(keys)) == 2 * len(benchmark.SPECDECODE_METHODS)
+
+
 def test_report_says_how_many_prompts_ran():
     """The header repeated --num-prompts although HumanEval has only 164 problems."""
     meta = dict(

@@ -500,7 +500,9 @@ def run_benchmark(
         )
     keep = min(config.max_prompt_tokens, limit)
     rows: list[Row] = []
-    for dataset in config.datasets:
+    # A dataset or temperature given twice runs once, as a repeated batch size does (the table
+    # listed its rows twice and the goals read the first copy).
+    for dataset in dict.fromkeys(config.datasets):
         if dataset == "humaneval":
             texts = humaneval_prompts(config.num_prompts)
         else:
@@ -509,8 +511,8 @@ def run_benchmark(
         prompts = [models.tokenizer.encode(t)[-keep:] for t in texts]
         _check_prompts(prompts, dataset, models)
         meta["prompt_tokens"][dataset] = [len(p) for p in prompts]
-        for temperature in config.temperatures:
-            rows += _measure(config, models, dataset, prompts, float(temperature), hf, quiet)
+        for temperature in dict.fromkeys(float(t) for t in config.temperatures):
+            rows += _measure(config, models, dataset, prompts, temperature, hf, quiet)
     return rows, meta
 
 
