@@ -146,6 +146,85 @@ def test_stop_tokens_cut_each_row(target, references):
             assert seq == expected[b] and out.finish_reasons[b] == "length"
 
 
+class FakeTqdm:
+    """Stands in for tqdm.tqdm: records what the engine's progress bar does with it."""
+
+    made: list[FakeTqdm] = []
+
+    def __init__(self, total: int, unit: str) -> None:
+        self.total, self.n, self.closed, self.refreshed = total, 0, 0, 0
+        FakeTqdm.made.append(self)
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def refresh(self) -> None:
+        self.refreshed += 1
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+@pytest.fixture
+def fake_tqdm(monkeypatch):
+    import sys
+    import types
+
+    FakeTqdm.made = []
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=FakeTqdm))
+    return FakeTqdm.made
+
+
+def test_progress_bar_ends_full_when_rows_stop_early(target, references, fake_tqdm):
+    prompts, expected = references
+    stop = expected[0][2]
+    out = generate(
+        target,
+        prompts[:2],
+        drafter=CachebackDrafter(max_sequences=2),
+        max_new_tokens=16,
+        stop_token_ids=[stop],
+        progress=True,
+    )
+    generated = sum(len(seq) for seq in out.sequences)
+    assert generated < 2 * 16  # row 0 stopped early
+    (bar,) = fake_tqdm
+    assert bar.n == generated and bar.total == generated and bar.closed == 1
+
+
+def test_progress_bar_closes_when_a_step_raises(target, references, fake_tqdm):
+    prompts, _ = references
+
+    class Failing(NoDrafter):
+        def propose(self, slots):
+            raise RuntimeError("drafter failed")
+
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        generate(target, prompts[:2], drafter=Failing(), max_new_tokens=8, progress=True)
+    (bar,) = fake_tqdm
+    assert bar.closed == 1
+
+
+def test_progress_line_without_tqdm_ends_on_the_tokens_generated(
+    target, references, monkeypatch, capsys
+):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    prompts, expected = references
+    out = generate(
+        target,
+        prompts[:1],
+        max_new_tokens=16,
+        stop_token_ids=[expected[0][2]],
+        progress=True,
+    )
+    err = capsys.readouterr().err
+    n = len(out.sequences[0])
+    assert n < 16  # stopped early
+    assert err.endswith("\n") and err.rstrip().split("\r")[-1].strip() == f"{n}/{n} tokens"
+
+
 def test_padded_output_and_stats(target, draft_model, references):
     prompts, expected = references
     out = generate(

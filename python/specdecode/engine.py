@@ -1193,6 +1193,7 @@ class SpeculativeDecoder:
         if isinstance(self.budget, CostAwareBudget):
             self.budget.reset_rows(slots)
         self.drafter.start(slots, rows)
+        bar = None
         try:
             configure = getattr(self.drafter, "configure", None)
             if callable(configure):
@@ -1204,8 +1205,12 @@ class SpeculativeDecoder:
             while state.active:
                 self._step(state, cache, stops, stats, bar, on_step)
             if bar is not None:
-                bar.close()
+                bar.finish()
         finally:
+            # A step that raises (a model error, an interrupt) still closes the bar, so the
+            # terminal is left on a fresh line.
+            if bar is not None:
+                bar.close()
             self.drafter.release([b for b in slots if not state.done[b]])
         stats.wall_time = time.perf_counter() - t_wall
         sequences = [state.tokens[b][state.prompt_lens[b] :] for b in range(batch)]
@@ -1694,6 +1699,7 @@ class _Progress:
 
     def __init__(self, total: int) -> None:
         self.total, self.count = total, 0
+        self._closed = False
         try:
             from tqdm import tqdm
 
@@ -1711,7 +1717,27 @@ class _Progress:
             sys.stderr.write(f"\r{self.count}/{self.total} tokens")
             sys.stderr.flush()
 
+    def finish(self) -> None:
+        """Every sequence is done: the total becomes the tokens generated, so a run whose
+        sequences stopped early (a stop token) ends at 100 % instead of short of its total."""
+        if self.count == self.total:
+            return
+        self.total = self.count
+        if self._bar is not None:
+            self._bar.total = self.count
+            self._bar.refresh()
+        else:
+            import sys
+
+            # Spaces cover the end of the longer line written before (the old total's digits).
+            sys.stderr.write(f"\r{self.count}/{self.total} tokens" + " " * 12)
+            sys.stderr.flush()
+
     def close(self) -> None:
+        """Ends the bar's line; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._bar is not None:
             self._bar.close()
         else:
