@@ -579,15 +579,22 @@ def test_rolled_back_entries_never_leak(target, references, monkeypatch):
     out = generate(target, prompts, drafter=Garbage(), max_new_tokens=16)
     assert out.sequences == expected
 
-    # The detector works: if acceptance kept the whole tree in the cache instead of the accepted
+    # The detector works: if acceptance kept more of the tree in the cache than the accepted
     # path, rejected drafts would leak into later steps and change the output.
     def keep_one_rejected(self, state, cache, result, active):
-        # Keeps nodes 0 .. accepted + 1 in node order: one node more than the accepted path.
+        # Keeps the accepted path and one rejected child of its last node (still a path of the
+        # scored tree, as compact requires): one node more than the accepted path.
         accepted = result.num_accepted.cpu().long()
         n = cache._tree_size
-        path = torch.arange(n, dtype=torch.int32).expand(cache.batch_size, n).contiguous()
-        keep = torch.clamp(accepted + 2, max=n).to(torch.int32)
-        cache.compact(path, keep)
+        paths, keep = [], []
+        for b, words in enumerate(cache._tree_mask.cpu().tolist()):
+            seen = [{j for j in range(n) if words[i][j // 32] >> (j % 32) & 1} for i in range(n)]
+            path = result.path[b, : int(accepted[b]) + 1].tolist()
+            last = path[-1]
+            path += [j for j in range(last + 1, n) if seen[j] == seen[last] | {j}][:1]
+            paths.append(path + [-1] * (n - len(path)))
+            keep.append(len(path))
+        cache.compact(torch.tensor(paths, dtype=torch.int32), torch.tensor(keep, dtype=torch.int32))
         return accepted
 
     monkeypatch.setattr(SpeculativeDecoder, "_accept", keep_one_rejected)

@@ -359,6 +359,43 @@ def test_hidden_states(family):
         model.forward(torch.tensor([[1]]), torch.tensor([[8]]), cache, output_hidden=[3])
 
 
+@pytest.mark.parametrize("family", ["llama", "llama:hf"])
+def test_compact_keeps_only_a_root_to_node_path(family):
+    """compact keeps K/V computed while each kept node attended to its tree ancestors: a path
+    that skips the root, jumps between branches or skips a chain node would leave a cache that
+    disagrees with its tokens, so it is refused and the cache left as it was."""
+    model, _ = make_models(family)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+
+    def scored(parents):
+        cache = model.new_cache(1, 16)
+        model.forward(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]]), cache)
+        if parents is None:
+            model.forward(torch.tensor([[8, 9, 10]]), torch.tensor([[3, 4, 5]]), cache)
+        else:
+            info = ops.tree_info(i32([parents]))
+            ids = torch.tensor([[8, 9, 10, 11][: len(parents)]])
+            model.forward(ids, 3 + info.depth.long(), cache, tree_mask=info.mask)
+        return cache
+
+    cases = [
+        ([-1, 0, 1, 1], [1, 3], "root"),  # skips the root
+        ([-1, 0, 1, 1], [0, 2, 3], "child"),  # 3 is 2's sibling
+        ([-1, 0, 0], [0, 1, 2], "child"),  # node order, but 2 is 1's sibling
+        (None, [0, 2], "child"),  # a chain keeps a prefix
+    ]
+    for parents, path, match in cases:
+        cache = scored(parents)
+        with pytest.raises(ValueError, match=match):
+            cache.compact(i32([path]), i32([len(path)]))
+        assert cache.lengths.tolist() == [3 + (3 if parents is None else len(parents))]
+    # The same caches take a real path.
+    for parents, path in (([-1, 0, 1, 1], [0, 1, 3]), ([-1, 0, 0], [0, 2]), (None, [0, 1])):
+        cache = scored(parents)
+        cache.compact(i32([path + [-1]]), i32([len(path)]))
+        assert cache.lengths.tolist() == [3 + len(path)]
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_bad_requests_raise_before_work(family):
     model, _ = make_models(family)
@@ -494,11 +531,14 @@ def test_compact_of_a_prefix_path_equals_the_general_move():
     model = Transformer(ModelConfig(**{**BASE, "model_type": "llama"}))
     ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(7))
     keep = torch.tensor([4, 2], dtype=torch.int32)
+    # Row 0 a chain; row 1 a tree where nodes 1 and 2 are both children of the root, so that
+    # [0, 1] and [0, 2] are both accepted paths.
+    info = ops.tree_info(torch.tensor([[-1, 0, 1, 2], [-1, 0, 0, 2]], dtype=torch.int32))
     caches = []
     for path in ([[0, 1, 2, 3], [0, 1, -1, -1]], [[0, 1, 2, 3], [0, 2, -1, -1]]):
         cache = model.new_cache(2, 32)
         model.forward(ids[:, :2], torch.arange(2).expand(2, 2), cache)
-        model.forward(ids[:, 2:], (2 + torch.arange(4)).expand(2, 4), cache)
+        model.forward(ids[:, 2:], 2 + info.depth.long(), cache, tree_mask=info.mask)
         cache.compact(torch.tensor(path, dtype=torch.int32), keep)
         caches.append(cache)
     prefix, moved = caches

@@ -106,6 +106,63 @@ def check_compact_args(
         raise ValueError(f"num_accepted: expected shape [{batch}], got {list(num_accepted.shape)}")
 
 
+def check_accepted_path(
+    path: np.ndarray, counts: np.ndarray, tree_mask: Optional[torch.Tensor], t: int
+) -> None:
+    """Checks that each row's kept nodes ``path[b, :counts[b]]`` (host int64 ``[B, P]``, nodes
+    already known to be in ``[0, T)``) form a root-to-node path of the last forward pass.
+
+    ``tree_mask``: that pass's uint32 ancestor bitmask ``[B, T, ceil(T / 32)]``, or None for a
+    causal chain (node ``i`` saw nodes ``0..i``). Compacting keeps the K/V of the kept nodes,
+    computed while each of them attended to the nodes its mask row shows; they describe the kept
+    sequence only when node ``path[b, i]`` saw exactly ``path[b, :i + 1]``: the path starts at
+    the root (node 0) and each node is a child of the one before it. Anything else would leave a
+    cache that silently disagrees with its tokens.
+    """
+    batch, width = path.shape
+    if batch == 0 or width == 0:
+        return
+    used = np.arange(width)[None, :] < counts[:, None]
+    bad = np.flatnonzero(used[:, 0] & (path[:, 0] != 0))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(
+            f"path: row {b} starts at node {int(path[b, 0])}; an accepted path starts at the "
+            "root, node 0 (the last committed token)"
+        )
+    nodes = np.where(used, path, 0)
+    if tree_mask is None:
+        wrong = used & (nodes != np.arange(width)[None, :])
+        rows = None
+    else:
+        # rows[b, i]: the mask words of node path[b, i]. Node path[b, i] (i >= 1) saw exactly
+        # path[b, :i + 1] iff its row differs from that of path[b, i - 1] by its own bit alone
+        # (by induction from the root, which sees itself only).
+        rows = tree_mask.cpu().numpy()[np.arange(batch)[:, None], nodes]
+        words = rows.shape[2]
+        own = np.where(
+            np.arange(words)[None, None, :] == (nodes // 32)[:, :, None],
+            (np.uint32(1) << (nodes % 32).astype(np.uint32))[:, :, None],
+            np.uint32(0),
+        )
+        root = rows[:, :1] != own[:, :1]  # the root sees itself only
+        steps = (rows[:, 1:] ^ rows[:, :-1]) != own[:, 1:]
+        steps |= (rows[:, 1:] & own[:, 1:]) != own[:, 1:]
+        wrong = used & np.concatenate((root, steps), axis=1).any(axis=2)
+    if wrong.any():
+        b, i = (int(x) for x in np.argwhere(wrong)[0])
+        node = int(path[b, i])
+        if rows is None:
+            saw = list(range(node + 1))
+        else:
+            saw = [j for j in range(t) if int(rows[b, i, j // 32]) >> (j % 32) & 1]
+        raise ValueError(
+            f"path: row {b} keeps node {node} at path[{b}, {i}], which saw nodes {saw} of the "
+            f"last forward pass, not the path {path[b, : i + 1].tolist()}: an accepted path "
+            "runs from the root down the tree, each node a child of the one before"
+        )
+
+
 def check_hidden_indices(output_hidden: Optional[Sequence[int]], num_layers: int) -> list[int]:
     """Normalises hidden-state indices to ``0..L`` (negative ones count from ``L + 1``)."""
     if output_hidden is None:

@@ -8,7 +8,12 @@ import numpy as np
 import torch
 
 from .. import ops
-from ._checks import as_lengths, check_compact_args, check_positive_int
+from ._checks import (
+    as_lengths,
+    check_accepted_path,
+    check_compact_args,
+    check_positive_int,
+)
 
 
 class KVCache:
@@ -54,6 +59,8 @@ class KVCache:
         self._host_lengths = torch.zeros(batch_size, dtype=torch.int64)
         self._tree_start: Optional[torch.Tensor] = None
         self._tree_size = 0
+        # The last forward pass's tree mask (None: a causal chain), for compact's path check.
+        self._tree_mask: Optional[torch.Tensor] = None
 
     # ---- shape -------------------------------------------------------------------------------
 
@@ -99,10 +106,12 @@ class KVCache:
         steps = torch.arange(t, device=self.device, dtype=torch.int64)
         return self._lengths.long().unsqueeze(1) + steps
 
-    def _commit(self, t: int) -> None:
-        """Makes the ``t`` tokens written by the forward pass part of every row."""
+    def _commit(self, t: int, tree_mask: Optional[torch.Tensor] = None) -> None:
+        """Makes the ``t`` tokens written by the forward pass part of every row (``tree_mask``:
+        the pass's uint32 ancestor mask, None for a causal chain)."""
         self._tree_start = self._lengths.clone()
         self._tree_size = t
+        self._tree_mask = tree_mask
         self._lengths += t
         self._host_lengths += t
 
@@ -114,6 +123,7 @@ class KVCache:
         self._host_lengths.zero_()
         self._tree_start = None
         self._tree_size = 0
+        self._tree_mask = None
 
     def truncate(self, lengths: Union[int, Sequence[int], torch.Tensor]) -> None:
         """Rolls every row back to ``lengths`` tokens.
@@ -135,6 +145,7 @@ class KVCache:
         self._lengths.copy_(new.to(self.device, torch.int32))
         self._tree_start = None
         self._tree_size = 0
+        self._tree_mask = None
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keeps only the given rows, in the given order (the batch shrinks to ``len(rows)``).
@@ -171,6 +182,8 @@ class KVCache:
         # A pending tree (forward done, not yet compacted) stays compactable on the kept rows.
         if self._tree_start is not None:
             self._tree_start = self._tree_start.index_select(0, on_device)
+            if self._tree_mask is not None:
+                self._tree_mask = self._tree_mask.index_select(0, on_device)
 
     def compact(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keeps the accepted path of the tree scored by the last forward pass, in place.
@@ -180,6 +193,9 @@ class KVCache:
         path : torch.Tensor
             int32 ``[B, P]``: node indices of the last forward's tree, root first, strictly
             increasing; entries at and after ``num_accepted[b]`` are ignored (-1 padding).
+            A path runs from the root down the tree: node ``path[b, i]`` must have attended to
+            exactly ``path[b, :i + 1]`` in the last forward pass (its ancestors in the tree mask,
+            or ``0..i`` in a chain), so that the kept K/V are those of the kept sequence.
         num_accepted : torch.Tensor
             int32 ``[B]``, ``0 <= num_accepted[b] <= P``: nodes to keep per row.
 
@@ -191,7 +207,8 @@ class KVCache:
         ------
         ValueError
             No forward pass since the last truncate/compact, a path node outside that pass's
-            ``T`` tokens, or a path that is not strictly increasing; nothing is moved then.
+            ``T`` tokens, a path that does not start at the root or is not a root-to-node path
+            of that pass's tree (or chain); nothing is moved then.
         """
         if self._tree_start is None:
             raise ValueError(
@@ -211,11 +228,12 @@ class KVCache:
                 f"num_accepted: expected values in [0, {width}], got {counts.tolist()}"
             )
         used = np.arange(width)[None, :] < host_counts[:, None]
-        if (used & (host_path >= self._tree_size)).any():
+        if (used & ((host_path < 0) | (host_path >= self._tree_size))).any():
             raise ValueError(
-                f"path: a node index is >= {self._tree_size}, the number of tokens of the last "
-                "forward pass"
+                f"path: an accepted node is outside [0, {self._tree_size}), the tokens of the "
+                "last forward pass"
             )
+        check_accepted_path(host_path, host_counts, self._tree_mask, self._tree_size)
         if ((host_path == np.arange(width)[None, :]) | ~used).all():
             # Every row keeps a prefix 0, 1, .. of the block (a chain, an accepted first branch,
             # or the root alone): those entries already sit where compaction would put them, so
@@ -224,6 +242,7 @@ class KVCache:
             self._host_lengths.copy_(self._tree_start.to("cpu", torch.int64) + counts)
             self._tree_start = None
             self._tree_size = 0
+            self._tree_mask = None
             return
         layers = self.num_layers
         s, h, d = self.k.shape[2:]
@@ -240,3 +259,4 @@ class KVCache:
         self._host_lengths.copy_(self._tree_start.to("cpu", torch.int64) + counts)
         self._tree_start = None
         self._tree_size = 0
+        self._tree_mask = None

@@ -27,6 +27,7 @@ import torch
 
 from ._checks import (
     as_lengths,
+    check_accepted_path,
     check_compact_args,
     check_hidden_indices,
     check_positive_int,
@@ -70,8 +71,9 @@ class HFCache:
         self._valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self._host_lengths = torch.zeros(batch_size, dtype=torch.int64)
         self._lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
-        # (first physical slot, T, row lengths before the pass) of the last forward pass.
-        self._tree: Optional[tuple[int, int, torch.Tensor]] = None
+        # (first physical slot, T, row lengths before the pass, tree mask or None for a chain)
+        # of the last forward pass.
+        self._tree: Optional[tuple[int, int, torch.Tensor, Optional[torch.Tensor]]] = None
 
     @property
     def batch_size(self) -> int:
@@ -118,13 +120,14 @@ class HFCache:
 
     def compact(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keeps nodes ``path[b, :num_accepted[b]]`` of the last forward's tree (see
-        :meth:`specdecode.models.ModelCache.compact`)."""
+        :meth:`specdecode.models.ModelCache.compact`): a root-to-node path, each node a child of
+        the one before, as :meth:`specdecode.models.KVCache.compact` requires."""
         if self._tree is None:
             raise ValueError(
                 "compact: no tree to compact; call it once right after the forward pass that "
                 "scored the tree"
             )
-        start_slot, t, start = self._tree
+        start_slot, t, start, tree_mask = self._tree
         batch = self.batch_size
         check_compact_args(path, num_accepted, batch)
         path = path.to("cpu", torch.int64)
@@ -141,6 +144,7 @@ class HFCache:
         steps = used[:, 1:] & (nodes[:, 1:] <= nodes[:, :-1])
         if bool(steps.any()):
             raise ValueError("path: accepted nodes must be strictly increasing (root first)")
+        check_accepted_path(nodes.numpy(), counts.numpy(), tree_mask, t)
         keep = torch.zeros(batch, t, dtype=torch.bool)
         rows = torch.arange(batch).unsqueeze(1).expand(batch, width)
         keep[rows[used], path[used]] = True
@@ -333,7 +337,7 @@ class HFCausalLM:
             (cache.valid, torch.ones(batch, t, dtype=torch.bool, device=device)), dim=1
         )
         cache._set_lengths(start + t)
-        cache._tree = (p, t, start)
+        cache._tree = (p, t, start, tree_mask)
         logits = out.logits
         if output_hidden is None:
             return logits

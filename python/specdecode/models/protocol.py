@@ -46,9 +46,12 @@ class ModelCache(Protocol):
     def compact(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keeps only the accepted path of the tree scored by the last forward pass.
 
-        Row ``b`` keeps tree nodes ``path[b, :num_accepted[b]]`` (strictly increasing node
-        indices, root first) as its tokens ``start[b] .. start[b] + num_accepted[b] - 1``, where
-        ``start`` is ``lengths`` before that forward pass; the rest of the tree is dropped.
+        Row ``b`` keeps tree nodes ``path[b, :num_accepted[b]]`` (a root-to-node path: node 0
+        first, each node a child of the one before) as its tokens ``start[b] .. start[b] +
+        num_accepted[b] - 1``, where ``start`` is ``lengths`` before that forward pass; the rest
+        of the tree is dropped. Any other selection raises ValueError (the kept K/V were
+        computed attending to each node's own ancestors, so only a path describes the kept
+        tokens).
         """
         ...
 

@@ -619,7 +619,7 @@ class Transformer(nn.Module):
             logits, hidden = self._run_cached(
                 input_ids, positions, cache, slots, tree_mask, wanted, real
             )
-        cache._commit(t)
+        cache._commit(t, tree_mask)
         if output_hidden is None:
             return logits
         return logits, tuple(hidden)
@@ -789,6 +789,7 @@ class Transformer(nn.Module):
         # The whole chain is the block that compact() refers to, not just its last chunk.
         cache._tree_start = start
         cache._tree_size = input_ids.shape[1]
+        cache._tree_mask = None
         if output_hidden is None:
             return torch.cat(parts, dim=1)
         logits = torch.cat([p[0] for p in parts], dim=1)
