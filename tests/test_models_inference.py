@@ -168,6 +168,28 @@ def test_batched_trees_with_padding_and_compaction(family):
         assert cache.physical_length <= 2 * int(cache.lengths.max()) + 32 + 6
 
 
+def test_hf_cache_stays_bounded_under_rollbacks_alone():
+    """A drafter's cache only ever rolls back (no compact): rows that keep tokens at different
+    steps leave holes in the shared physical cache, which must be freed there too, not only
+    after a compaction; the rows' results stay exact."""
+    model, full = make_models("llama:hf")
+    batch = 8
+    cache = model.new_cache(batch, 64)
+    seqs = [[3 + b] for b in range(batch)]
+    model.forward(torch.tensor(seqs), torch.zeros(batch, 1, dtype=torch.long), cache)
+    for step in range(96):
+        # Every row scores one token; only row step % batch keeps it (rows take turns).
+        ids = torch.tensor([[_tokens(1, seed=step)[0]]] * batch)
+        model.forward(ids, cache.lengths.long().unsqueeze(1), cache)
+        seqs[step % batch].append(int(ids[0, 0]))
+        cache.truncate([len(s) for s in seqs])
+    longest = max(len(s) for s in seqs)
+    assert cache.physical_length <= 2 * longest + 32 + 1, (cache.physical_length, longest)
+    out = model.forward(torch.tensor([[7]] * batch), cache.lengths.long().unsqueeze(1), cache)
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(out[b, 0], full(torch.tensor([s + [7]]))[0, -1], **TOL)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_rolled_back_entries_never_leak(family):
     """K/V written by a rejected draft must not influence anything after the rollback."""

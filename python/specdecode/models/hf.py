@@ -10,8 +10,10 @@ slots are shared by the batch plus a per-row validity mask ``valid[B, P]``:
 * rolling back marks slots invalid, and slots no row needs any more are cropped from the end
   (``DynamicCache.crop``);
 * compacting a tree keeps the accepted nodes' slots where they are (their K/V were computed at the
-  right positions, attending to exactly the accepted path) and drops the rest from the mask; when
-  the holes outweigh the kept slots, every row's valid slots are gathered to the front.
+  right positions, attending to exactly the accepted path) and drops the rest from the mask;
+* after a rollback or a compaction, when the holes outweigh the kept slots, every row's valid
+  slots are gathered to the front (so the physical length stays within about twice the longest
+  row).
 
 Invariant: row ``b`` sees exactly its ``lengths[b]`` valid slots, in order; masked slots never
 influence a result.
@@ -116,7 +118,7 @@ class HFCache:
         self._valid &= rank <= new.to(self._device).unsqueeze(1)
         self._set_lengths(new)
         self._tree = None
-        self._crop()
+        self._tidy()
 
     def compact(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keeps nodes ``path[b, :num_accepted[b]]`` of the last forward's tree (see
@@ -151,6 +153,12 @@ class HFCache:
         self._valid[:, start_slot : start_slot + t] = keep.to(self._device)
         self._set_lengths(start + counts)
         self._tree = None
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Drops the trailing slots no row uses, and removes the holes once they outweigh the
+        kept slots (each forward pass appends a slot per row and token, so rows that roll back
+        by different amounts leave holes that cropping alone never frees)."""
         self._crop()
         if self.physical_length > 2 * int(self._host_lengths.max()) + 32:
             self._squeeze()
