@@ -469,6 +469,27 @@ def test_bad_requests_raise_before_work(family):
         model.new_cache(0, 4)
 
 
+def test_hf_cache_belongs_to_its_model_and_device():
+    """A cache holds one model's K/V on one device: another model would fail deep inside
+    transformers (or, with the same shapes, read them as its own)."""
+    from specdecode.models import HFCache
+
+    llama, _ = make_models("llama:hf")
+    same_shapes = HFCausalLM(hf_model("llama", seed=3))
+    gpt2, _ = make_models("gpt2")
+    cache = llama.new_cache(1, 16)
+    llama.forward(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), cache)
+    for model in (same_shapes, gpt2):
+        with pytest.raises(ValueError, match="cache: it holds the K/V of another model"):
+            model.forward(torch.tensor([[3]]), torch.tensor([[2]]), cache)
+    assert cache.lengths.tolist() == [2] and cache.physical_length == 2
+    # A wrapper around the same transformers model shares it.
+    HFCausalLM(llama.model).forward(torch.tensor([[3]]), torch.tensor([[2]]), cache)
+    assert cache.lengths.tolist() == [3]
+    with pytest.raises(ValueError, match="cache: on meta"):
+        llama.forward(torch.tensor([[3]]), torch.tensor([[0]]), HFCache(1, 16, "meta"))
+
+
 def test_sliding_window_limits_the_length():
     model, _ = make_models("llama")
     theirs = hf_model("mistral", sliding_window=16)

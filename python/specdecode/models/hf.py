@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -73,6 +74,9 @@ class HFCache:
         self._valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self._host_lengths = torch.zeros(batch_size, dtype=torch.int64)
         self._lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        # The transformers model whose K/V the cache holds (bound by new_cache or the first
+        # forward pass): another model would read them as its own, or fail deep inside.
+        self._owner: Optional[weakref.ref] = None
         # (first physical slot, T, row lengths before the pass, tree mask or None for a chain)
         # of the last forward pass.
         self._tree: Optional[tuple[int, int, torch.Tensor, Optional[torch.Tensor]]] = None
@@ -272,7 +276,9 @@ class HFCausalLM:
                 f"max_length: {max_length} exceeds the model's max length {self._max_length} "
                 "(max_position_embeddings / sliding_window)"
             )
-        return HFCache(batch_size, max_length, self.device)
+        cache = HFCache(batch_size, max_length, self.device)
+        cache._owner = weakref.ref(self.model)
+        return cache
 
     def forward(
         self,
@@ -297,6 +303,12 @@ class HFCausalLM:
                 f"cache: expected an HFCache (from new_cache), got {type(cache).__name__}"
             )
         device = self.device
+        if cache.valid.device != device:
+            raise ValueError(f"cache: on {cache.valid.device}, the model on {device}")
+        if cache._owner is not None and cache._owner() is not self.model:
+            raise ValueError(
+                "cache: it holds the K/V of another model; use a cache from this model's new_cache"
+            )
         input_ids, positions = check_tokens(
             input_ids, positions, self._vocab_size, cache.batch_size, device
         )
@@ -341,6 +353,7 @@ class HFCausalLM:
             returned = out.get("past_key_values", None)
         if returned is not None:
             cache.hf = returned
+        cache._owner = weakref.ref(self.model)
         cache._valid = torch.cat(
             (cache.valid, torch.ones(batch, t, dtype=torch.bool, device=device)), dim=1
         )
