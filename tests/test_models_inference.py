@@ -490,6 +490,27 @@ def test_hf_cache_belongs_to_its_model_and_device():
         llama.forward(torch.tensor([[3]]), torch.tensor([[0]]), HFCache(1, 16, "meta"))
 
 
+def test_hf_cache_is_unchanged_when_the_model_fails_midway():
+    """An error inside the transformers model (out of memory, say) after some layers appended
+    their K/V must not leave layers of different lengths behind."""
+    model, full = make_models("llama:hf")
+    cache = model.new_cache(1, 16)
+    seq = _tokens(4, seed=60)
+    model.forward(torch.tensor([seq]), torch.arange(4).unsqueeze(0), cache)
+
+    def fail(*_):
+        raise RuntimeError("out of memory (simulated)")
+
+    hook = model.model.model.layers[-1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="simulated"):
+        model.forward(torch.tensor([[5, 6]]), torch.tensor([[4, 5]]), cache)
+    hook.remove()
+    assert cache.lengths.tolist() == [4] and cache.physical_length == 4
+    assert [layer.keys.shape[2] for layer in cache.hf.layers] == [4, 4]
+    out = model.forward(torch.tensor([[7]]), torch.tensor([[4]]), cache)
+    torch.testing.assert_close(out[0, 0], full(torch.tensor([seq + [7]]))[0, -1], **TOL)
+
+
 def test_sliding_window_limits_the_length():
     model, _ = make_models("llama")
     theirs = hf_model("mistral", sliding_window=16)

@@ -176,6 +176,15 @@ class HFCache:
             self.hf.crop(-remove)
             self._valid = self._valid[:, :keep]
 
+    def _drop_slots_after(self, length: int) -> None:
+        """Cuts every layer of transformers' cache to ``length`` slots (layers may differ in
+        length after a pass that failed midway, which ``DynamicCache.crop`` cannot mend)."""
+        for holder, k_attr, v_attr in _cache_tensors(self.hf):
+            for attr, kind in ((k_attr, "k"), (v_attr, "v")):
+                x = _get(holder, attr, kind)
+                if x is not None and x.dim() == 4 and x.shape[2] > length:
+                    _set(holder, attr, kind, x[:, :, :length])
+
     def _squeeze(self) -> None:
         """Gathers each row's valid slots to the front, in order (removes holes)."""
         longest = int(self._host_lengths.max())
@@ -297,6 +306,9 @@ class HFCausalLM:
         ------
         TypeError, ValueError
             As :meth:`specdecode.models.Transformer.forward`; the cache is unchanged then.
+        Exception
+            Whatever the transformers model raises (e.g. out of memory); the cache is unchanged
+            then too.
         """
         if not isinstance(cache, HFCache):
             raise TypeError(
@@ -338,16 +350,22 @@ class HFCausalLM:
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         start = cache._host_lengths.clone()
-        with torch.no_grad():
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask.unsqueeze(1),
-                position_ids=positions,
-                use_cache=True,
-                output_hidden_states=bool(wanted),
-                return_dict=True,
-                **{self._cache_arg: cache.hf},
-            )
+        try:
+            with torch.no_grad():
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=mask.unsqueeze(1),
+                    position_ids=positions,
+                    use_cache=True,
+                    output_hidden_states=bool(wanted),
+                    return_dict=True,
+                    **{self._cache_arg: cache.hf},
+                )
+        except BaseException:
+            # The layers that ran before the error (out of memory, an interrupt) appended their
+            # K/V already: drop them, so that the cache is as it was and stays usable.
+            cache._drop_slots_after(p)
+            raise
         returned = out.get("cache", None)
         if returned is None:
             returned = out.get("past_key_values", None)
