@@ -244,6 +244,14 @@ def test_a_cache_in_another_dtype_runs_on_either_path(cache_dtype):
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.complex64, "float16"])
+def test_a_cache_dtype_that_is_not_a_float_is_refused(dtype):
+    """An integer or bool cache rounded every key and value (wrong logits, no error)."""
+    model, _ = make_models("llama")
+    with pytest.raises(TypeError, match="dtype: expected a floating-point"):
+        model.new_cache(1, 8, dtype=dtype)
+
+
 def test_unsupported_head_dim_falls_back_to_torch(monkeypatch):
     small = hf_model("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=48)
     assert 48 not in ops.HEAD_DIMS

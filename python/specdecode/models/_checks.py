@@ -18,6 +18,22 @@ def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
+def check_float_dtype(name: str, dtype: Any, min_bits: int = 8) -> torch.dtype:
+    """A real floating-point torch dtype of at least ``min_bits`` bits (an integer, bool or
+    complex dtype would silently round or break the values)."""
+    if (
+        not isinstance(dtype, torch.dtype)
+        or not dtype.is_floating_point
+        or dtype.itemsize * 8 < min_bits
+    ):
+        at_least = f" of at least {min_bits} bits" if min_bits > 8 else ""
+        raise TypeError(
+            f"{name}: expected a floating-point torch.dtype{at_least} (torch.float32, "
+            f"torch.float16, torch.bfloat16, ...), got {dtype!r}"
+        )
+    return dtype
+
+
 def check_tokens(
     input_ids: Any, positions: Any, vocab_size: int, batch_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from ._checks import (
     as_lengths,
     check_accepted_path,
     check_compact_args,
+    check_float_dtype,
     check_positive_int,
 )
 
@@ -50,6 +51,7 @@ class KVCache:
             ("head_dim", head_dim),
         ):
             check_positive_int(name, value)
+        check_float_dtype("dtype", dtype)
         device = torch.device(device if device is not None else "cpu")
         shape = (num_layers, batch_size, max_length, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)

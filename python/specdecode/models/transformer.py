@@ -496,7 +496,8 @@ class Transformer(nn.Module):
 
         ``max_length`` defaults to the model's max length (``max_position_embeddings``, or the
         sliding window if smaller) and may not exceed it. The cache takes the model's dtype and
-        device unless given.
+        device unless given; a given ``dtype`` must be a floating-point one (the K/V are stored
+        rounded to it).
         """
         check_positive_int("batch_size", batch_size)
         limit = self.config.max_length
