@@ -278,6 +278,26 @@ def test_from_pretrained_errors(tmp_path):
         Transformer.from_pretrained(tmp_path)
 
 
+def test_from_pretrained_dtype(tmp_path):
+    """The default is the stored embedding's dtype; a given dtype must be a float of 16 bits or
+    more (a string failed as a device name, float8 loaded and failed in the first forward)."""
+    from safetensors.torch import load_file, save_file
+
+    Transformer(tiny_config()).to(torch.bfloat16).save_pretrained(tmp_path)
+    assert Transformer.from_pretrained(tmp_path).dtype == torch.bfloat16
+    assert Transformer.from_pretrained(tmp_path, dtype=torch.float32).dtype == torch.float32
+    for bad in ("bfloat16", torch.int8, torch.float8_e4m3fn, torch.complex64):
+        with pytest.raises(TypeError, match="dtype: expected a floating-point"):
+            Transformer.from_pretrained(tmp_path, dtype=bad)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].to(torch.int8)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(TypeError, match="dtype: the checkpoint stores model.embed_tokens.weight"):
+        Transformer.from_pretrained(tmp_path)
+    assert Transformer.from_pretrained(tmp_path, dtype=torch.float16).dtype == torch.float16
+
+
 def test_gpt2_checkpoint_is_refused(tmp_path):
     from reference_models import gpt2_model
 

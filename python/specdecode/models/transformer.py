@@ -30,6 +30,7 @@ from torch import nn
 from .. import ops
 from .._ops.attention import tree_attention_in_cache
 from ._checks import (
+    check_float_dtype,
     check_hidden_indices,
     check_num_nodes,
     check_positive_int,
@@ -849,7 +850,10 @@ class Transformer(nn.Module):
             Holds ``config.json`` and ``model.safetensors`` (or a sharded
             ``model.safetensors.index.json``).
         dtype : torch.dtype, optional
-            Parameter dtype; default: the checkpoint's.
+            Parameter dtype, a floating-point one of 16 bits or more. Default: the dtype in which
+            the checkpoint stores ``model.embed_tokens.weight``; every tensor is cast to it (a
+            checkpoint normally stores all of them in one dtype; ``config.json``'s ``dtype`` /
+            ``torch_dtype`` is not read).
         device : torch.device or str, optional
             Where to put the model (default CPU).
 
@@ -857,9 +861,14 @@ class Transformer(nn.Module):
         ------
         FileNotFoundError
             A file is missing.
+        TypeError
+            ``dtype`` is not a floating-point torch dtype of 16 bits or more, or it is None and
+            the checkpoint's embedding is not stored in one.
         ValueError
             An unsupported config, or tensors missing, unexpected or of the wrong shape.
         """
+        if dtype is not None:
+            check_float_dtype("dtype", dtype, min_bits=16)
         config = ModelConfig.from_hf_config(read_config(directory))
         tensors = load_state_dict(directory)
         model = cls(config)
@@ -892,7 +901,13 @@ class Transformer(nn.Module):
                     f"{list(expected[key].shape)}"
                 )
         if dtype is None:
-            dtype = tensors["model.embed_tokens.weight"].dtype
+            stored = tensors["model.embed_tokens.weight"].dtype
+            if not stored.is_floating_point or stored.itemsize < 2:
+                raise TypeError(
+                    f"dtype: the checkpoint stores model.embed_tokens.weight as {stored}; pass "
+                    "dtype= (a floating-point torch dtype of 16 bits or more)"
+                )
+            dtype = stored
         model.to(dtype)
         model.load_state_dict(tensors, strict=not config.tie_word_embeddings)
         if device is not None:
