@@ -727,6 +727,15 @@ def test_keep_rows_drops_and_reorders_rows():
         with pytest.raises(err, match="rows"):
             cache.keep_rows(bad)
     assert cache.batch_size == 2
+    # A pending tree (scored, not yet compacted) stays compactable on the kept rows, each
+    # checked against its own tree: [0, 2] is a path of row 1's tree only.
+    info = ops.tree_info(torch.tensor([[-1, 0, 1], [-1, 0, 0]], dtype=torch.int32))
+    start = cache.lengths.tolist()
+    pos = cache.lengths.long().unsqueeze(1) + info.depth.long()
+    model.forward(torch.tensor([[1, 2, 3]] * 2), pos, cache, info.mask)
+    cache.keep_rows(torch.tensor([1]))
+    cache.compact(torch.tensor([[0, 2]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32))
+    assert cache.lengths.tolist() == [start[1] + 2]
 
 
 def test_prepacked_products_match_torch_mm():
