@@ -519,6 +519,20 @@ def test_hf_cache_is_unchanged_when_the_model_fails_midway():
     torch.testing.assert_close(out[0, 0], full(torch.tensor([seq + [7]]))[0, -1], **TOL)
 
 
+@pytest.mark.parametrize("family", ["llama", "llama:hf"])
+def test_truncate_refuses_bools_and_floats(family):
+    """A cast read True as 1 and truncated 1.7 to 1 (a wrong rollback, no error)."""
+    model, _ = make_models(family)
+    cache = model.new_cache(1, 8)
+    model.forward(torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]]), cache)
+    for bad in ([True], [1.7], np.array([1.7]), np.array([True]), 2.0):
+        with pytest.raises(TypeError, match="lengths: expected"):
+            cache.truncate(bad)
+        assert cache.lengths.tolist() == [3]
+    cache.truncate(np.array([2], dtype=np.int32))
+    assert cache.lengths.tolist() == [2]
+
+
 def test_sliding_window_limits_the_length():
     model, _ = make_models("llama")
     theirs = hf_model("mistral", sliding_window=16)

@@ -7,6 +7,8 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .._ops.common import as_array
+
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -205,20 +207,29 @@ def check_hidden_indices(output_hidden: Optional[Sequence[int]], num_layers: int
 def as_lengths(
     value: Union[int, Sequence[int], torch.Tensor], batch: int, name: str = "lengths"
 ) -> torch.Tensor:
-    """int64 ``[B]`` CPU tensor from an int (broadcast), a list or a tensor."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected an int, a list of ints or an integer tensor")
+    """int64 ``[B]`` CPU tensor from an int (broadcast), a sequence of ints, or an integer
+    tensor or numpy array. Bools and floats are refused (a cast would silently truncate 2.7 to
+    2 and read True as 1)."""
+    expected = f"{name}: expected an int, a list of ints or an integer tensor"
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        raise TypeError(f"{expected}, got {type(value).__name__}")
     if isinstance(value, (int, np.integer)):
         return torch.full((batch,), int(value), dtype=torch.int64)
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise TypeError(f"{name}: expected an integer array, got {value.dtype}")
+        value = torch.from_numpy(value.astype(np.int64))
     if isinstance(value, torch.Tensor):
         if value.dtype not in _INT_DTYPES:
             raise TypeError(f"{name}: expected an integer tensor, got {value.dtype}")
         t = value.detach().to("cpu", torch.int64)
     else:
         try:
-            t = torch.tensor(list(value), dtype=torch.int64)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"{name}: expected ints: {exc}") from None
+            items = list(value)
+        except TypeError:
+            raise TypeError(f"{expected}, got {type(value).__name__}") from None
+        # Refuses bools and floats (TypeError) and ints outside int64 (ValueError).
+        t = as_array(items, name, torch.int64)
     if tuple(t.shape) != (batch,):
         raise ValueError(f"{name}: expected shape [{batch}], got {list(t.shape)}")
     return t
