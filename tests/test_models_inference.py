@@ -565,6 +565,20 @@ def test_chain_longer_than_the_kernel_limit_is_chunked():
     assert int(cache.lengths[0]) == 3
 
 
+def test_a_tree_mask_beyond_the_kernel_limit_names_tree_mask():
+    """The kernel's limit was reported as the internal argument q."""
+    model = Transformer(ModelConfig(**{**BASE, "max_position_embeddings": 1100}))
+    n = ops.MAX_TREE_NODES + 1
+    words = (n + 31) // 32
+    chain = np.tril(np.ones((n, 32 * words), dtype=bool))
+    mask = torch.from_numpy(np.packbits(chain, axis=1, bitorder="little").view(np.uint32))
+    ids, pos = torch.zeros((1, n), dtype=torch.long), torch.arange(n).unsqueeze(0)
+    cache = model.new_cache(1, n)
+    with pytest.raises(ValueError, match="tree_mask: ops.tree_attention scores at most 1024"):
+        model.forward(ids, pos, cache, tree_mask=mask.unsqueeze(0))
+    assert cache.lengths.tolist() == [0]
+
+
 # ---- the fused inference weights -----------------------------------------------------------------
 
 

@@ -612,6 +612,14 @@ class Transformer(nn.Module):
         check_tree_mask(tree_mask, batch, t, self.device)
         if tree_mask is not None:
             tree_mask = tree_mask.contiguous()
+            if t > ops.MAX_TREE_NODES and self._use_kernel(
+                self.config.head_dim, cache.dtype, self.device
+            ):
+                raise ValueError(
+                    f"tree_mask: ops.tree_attention scores at most {ops.MAX_TREE_NODES} tree "
+                    f"nodes, got T = {t} (a longer causal chain takes no mask and runs in chunks; "
+                    "attention='torch' takes any T)"
+                )
         wanted = check_hidden_indices(output_hidden, self.config.num_hidden_layers)
         real = check_num_nodes(num_nodes, batch, t)
         slots = cache._begin(t)
