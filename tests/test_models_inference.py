@@ -579,6 +579,28 @@ def test_a_tree_mask_beyond_the_kernel_limit_names_tree_mask():
     assert cache.lengths.tolist() == [0]
 
 
+def test_a_chunked_chain_that_fails_midway_leaves_the_cache_as_it_was(monkeypatch):
+    """The first chunk of a long chain was committed when a later one failed (out of memory,
+    say): the cache then held half a prompt that the caller never learned about."""
+    model = Transformer(ModelConfig(**{**BASE, "max_position_embeddings": 1100}))
+    n = ops.MAX_TREE_NODES + 8
+    cache = model.new_cache(1, n + 1)
+    model.forward(torch.tensor([[1]]), torch.tensor([[0]]), cache)
+    run, calls = model._run_cached, []
+
+    def fail_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(model, "_run_cached", fail_second)
+    ids, pos = torch.zeros((1, n), dtype=torch.long), 1 + torch.arange(n).unsqueeze(0)
+    with pytest.raises(RuntimeError, match="simulated"):
+        model.forward(ids, pos, cache)
+    assert cache.lengths.tolist() == [1] and cache._host_lengths.tolist() == [1]
+
+
 # ---- the fused inference weights -----------------------------------------------------------------
 
 

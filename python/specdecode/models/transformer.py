@@ -778,24 +778,31 @@ class Transformer(nn.Module):
 
         Each chunk attends to the cache (which already holds the earlier chunks) plus itself
         causally, which is exactly the attention of the whole chain. Validation was done on the
-        whole input, so no chunk can fail after an earlier one was committed. With ``real``
+        whole input, so no chunk fails a check after an earlier one was committed; if one fails
+        otherwise (out of memory), the committed chunks are rolled back. With ``real``
         (real tokens per row, a prefix of each row), chunk ``[i, i + step)`` holds
         ``clamp(real - i, 0, step)`` of them.
         """
         start = cache.lengths.clone()
         step = ops.MAX_TREE_NODES
         parts = []
-        for i in range(0, input_ids.shape[1], step):
-            chunk = input_ids[:, i : i + step]
-            parts.append(
-                self.forward(
-                    chunk,
-                    positions[:, i : i + step],
-                    cache,
-                    output_hidden=output_hidden,
-                    num_nodes=None if real is None else (real - i).clamp(0, chunk.shape[1]),
+        try:
+            for i in range(0, input_ids.shape[1], step):
+                chunk = input_ids[:, i : i + step]
+                parts.append(
+                    self.forward(
+                        chunk,
+                        positions[:, i : i + step],
+                        cache,
+                        output_hidden=output_hidden,
+                        num_nodes=None if real is None else (real - i).clamp(0, chunk.shape[1]),
+                    )
                 )
-            )
+        except BaseException:
+            # A later chunk failed (out of memory, an interrupt): the earlier ones were
+            # committed; roll them back so that the cache is as it was.
+            cache.truncate(start)
+            raise
         # The whole chain is the block that compact() refers to, not just its last chunk.
         cache._tree_start = start
         cache._tree_size = input_ids.shape[1]
