@@ -533,6 +533,22 @@ def test_truncate_refuses_bools_and_floats(family):
     assert cache.lengths.tolist() == [2]
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama:hf"])
+def test_hf_positions_beyond_the_models_limit_are_refused(family):
+    """GPT-2's learned position embeddings have no row past n_positions (an IndexError deep in
+    the model on the CPU, a device-side assert on CUDA): refused before the model runs, naming
+    the limit and the config field it comes from (GPT2Config maps max_position_embeddings to
+    n_positions)."""
+    model, _ = make_models(family)
+    limit = model.max_length
+    cache = model.new_cache(1, 8)
+    expected = rf"positions: {limit} .* {limit} \(config.max_position_embeddings\)"
+    with pytest.raises(ValueError, match=expected):
+        model.forward(torch.tensor([[1, 2]]), torch.tensor([[limit - 1, limit]]), cache)
+    assert cache.lengths.tolist() == [0] and cache.physical_length == 0
+    model.forward(torch.tensor([[1, 2]]), torch.tensor([[limit - 2, limit - 1]]), cache)
+
+
 def test_sliding_window_limits_the_length():
     model, _ = make_models("llama")
     theirs = hf_model("mistral", sliding_window=16)
@@ -542,7 +558,10 @@ def test_sliding_window_limits_the_length():
         ours.new_cache(1, 17)
     with pytest.raises(ValueError, match="max length"):
         ours.forward_train(torch.zeros(1, 17, dtype=torch.long))
-    assert HFCausalLM(theirs).max_length == 16
+    wrapped = HFCausalLM(theirs)
+    assert wrapped.max_length == 16
+    with pytest.raises(ValueError, match=r"16 \(config.sliding_window\)"):
+        wrapped.forward(torch.tensor([[1]]), torch.tensor([[16]]), wrapped.new_cache(1, 8))
 
 
 def test_chain_longer_than_the_kernel_limit_is_chunked():

@@ -235,14 +235,24 @@ class HFCausalLM:
             int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
         )
         config = model.config
-        limit = getattr(config, "max_position_embeddings", None) or getattr(
-            config, "n_positions", None
-        )
+        # The position limit (learned position embeddings have no row beyond it) and the
+        # sliding window (beyond it the model attends differently), with the config field each
+        # comes from.
+        limit = getattr(config, "max_position_embeddings", None)
+        limit_field = "max_position_embeddings"
+        if not limit:
+            limit, limit_field = getattr(config, "n_positions", None), "n_positions"
         window = getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True) is False:
             window = None
-        candidates = [v for v in (limit, window) if isinstance(v, int) and v > 0]
-        self._max_length = min(candidates) if candidates else 1 << 20
+        candidates = [
+            (v, f"config.{field}")
+            for v, field in ((limit, limit_field), (window, "sliding_window"))
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0
+        ]
+        self._max_length, self._limit_field = (
+            min(candidates) if candidates else (1 << 20, "no position limit in the config")
+        )
         self._num_layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
 
     @classmethod
@@ -336,7 +346,7 @@ class HFCausalLM:
         if int(positions.max()) >= self._max_length:
             raise ValueError(
                 f"positions: {int(positions.max())} is beyond the model's max length "
-                f"{self._max_length}"
+                f"{self._max_length} ({self._limit_field}); positions must be below it"
             )
         if tree_mask is None:
             visible = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(batch, t, t)
