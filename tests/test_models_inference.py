@@ -770,6 +770,20 @@ def test_num_nodes_bad_values_raise_before_work():
         assert cache.lengths.tolist() == [0, 0]
 
 
+def test_compact_refuses_padding_tokens():
+    """A chain's padding tokens (past num_nodes) were never computed: keeping one kept stale
+    K/V without an error (a tree's padding rows see nothing, which the path check refuses)."""
+    model, _ = make_models("llama")
+    cache = model.new_cache(2, 16)
+    ids, pos = torch.tensor([[1, 2, 3]] * 2), torch.arange(3).expand(2, 3)
+    model.forward(ids, pos, cache, num_nodes=torch.tensor([3, 1]))
+    path = torch.tensor([[0, 1, 2], [0, 1, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"path: row 1 keeps node 1, a padding token"):
+        cache.compact(path, torch.tensor([3, 2], dtype=torch.int32))
+    cache.compact(path, torch.tensor([3, 1], dtype=torch.int32))
+    assert cache.lengths.tolist() == [3, 1]
+
+
 def test_keep_rows_drops_and_reorders_rows():
     model, _ = make_models("llama")
     cache = model.new_cache(3, 16)

@@ -61,8 +61,10 @@ class KVCache:
         self._host_lengths = torch.zeros(batch_size, dtype=torch.int64)
         self._tree_start: Optional[torch.Tensor] = None
         self._tree_size = 0
-        # The last forward pass's tree mask (None: a causal chain), for compact's path check.
+        # The last forward pass's tree mask (None: a causal chain) and real tokens per row (None:
+        # all T), for compact's path check.
         self._tree_mask: Optional[torch.Tensor] = None
+        self._tree_real: Optional[torch.Tensor] = None
 
     # ---- shape -------------------------------------------------------------------------------
 
@@ -108,14 +110,27 @@ class KVCache:
         steps = torch.arange(t, device=self.device, dtype=torch.int64)
         return self._lengths.long().unsqueeze(1) + steps
 
-    def _commit(self, t: int, tree_mask: Optional[torch.Tensor] = None) -> None:
+    def _commit(
+        self,
+        t: int,
+        tree_mask: Optional[torch.Tensor] = None,
+        real: Optional[torch.Tensor] = None,
+    ) -> None:
         """Makes the ``t`` tokens written by the forward pass part of every row (``tree_mask``:
-        the pass's uint32 ancestor mask, None for a causal chain)."""
+        the pass's uint32 ancestor mask, None for a causal chain; ``real``: CPU int64 ``[B]``,
+        the real tokens per row, None when all ``t`` are)."""
         self._tree_start = self._lengths.clone()
         self._tree_size = t
         self._tree_mask = tree_mask
+        self._tree_real = real
         self._lengths += t
         self._host_lengths += t
+
+    def _forget_tree(self) -> None:
+        self._tree_start = None
+        self._tree_size = 0
+        self._tree_mask = None
+        self._tree_real = None
 
     # ---- rollback ----------------------------------------------------------------------------
 
@@ -123,9 +138,7 @@ class KVCache:
         """Empties every row (the storage is kept)."""
         self._lengths.zero_()
         self._host_lengths.zero_()
-        self._tree_start = None
-        self._tree_size = 0
-        self._tree_mask = None
+        self._forget_tree()
 
     def truncate(self, lengths: Union[int, Sequence[int], torch.Tensor]) -> None:
         """Rolls every row back to ``lengths`` tokens.
@@ -145,9 +158,7 @@ class KVCache:
             )
         self._host_lengths.copy_(new)
         self._lengths.copy_(new.to(self.device, torch.int32))
-        self._tree_start = None
-        self._tree_size = 0
-        self._tree_mask = None
+        self._forget_tree()
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keeps only the given rows, in the given order (the batch shrinks to ``len(rows)``).
@@ -186,6 +197,8 @@ class KVCache:
             self._tree_start = self._tree_start.index_select(0, on_device)
             if self._tree_mask is not None:
                 self._tree_mask = self._tree_mask.index_select(0, on_device)
+            if self._tree_real is not None:
+                self._tree_real = self._tree_real.index_select(0, rows)
 
     def compact(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keeps the accepted path of the tree scored by the last forward pass, in place.
@@ -235,6 +248,15 @@ class KVCache:
                 f"path: an accepted node is outside [0, {self._tree_size}), the tokens of the "
                 "last forward pass"
             )
+        if self._tree_real is not None:
+            padding = used & (host_path >= self._tree_real.numpy()[:, None])
+            if padding.any():
+                b, i = (int(x) for x in np.argwhere(padding)[0])
+                raise ValueError(
+                    f"path: row {b} keeps node {int(host_path[b, i])}, a padding token of the "
+                    f"last forward pass (num_nodes[{b}] = {int(self._tree_real[b])}), never "
+                    "computed"
+                )
         check_accepted_path(host_path, host_counts, self._tree_mask, self._tree_size)
         if ((host_path == np.arange(width)[None, :]) | ~used).all():
             # Every row keeps a prefix 0, 1, .. of the block (a chain, an accepted first branch,
@@ -242,9 +264,7 @@ class KVCache:
             # shortening the rows is the whole move.
             self._lengths.copy_(self._tree_start + num_accepted)
             self._host_lengths.copy_(self._tree_start.to("cpu", torch.int64) + counts)
-            self._tree_start = None
-            self._tree_size = 0
-            self._tree_mask = None
+            self._forget_tree()
             return
         layers = self.num_layers
         s, h, d = self.k.shape[2:]
@@ -259,6 +279,4 @@ class KVCache:
         )
         self._lengths.copy_(new[:batch])
         self._host_lengths.copy_(self._tree_start.to("cpu", torch.int64) + counts)
-        self._tree_start = None
-        self._tree_size = 0
-        self._tree_mask = None
+        self._forget_tree()

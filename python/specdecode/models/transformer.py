@@ -629,7 +629,7 @@ class Transformer(nn.Module):
             logits, hidden = self._run_cached(
                 input_ids, positions, cache, slots, tree_mask, wanted, real
             )
-        cache._commit(t, tree_mask)
+        cache._commit(t, tree_mask, real)
         if output_hidden is None:
             return logits
         return logits, tuple(hidden)
@@ -807,6 +807,7 @@ class Transformer(nn.Module):
         cache._tree_start = start
         cache._tree_size = input_ids.shape[1]
         cache._tree_mask = None
+        cache._tree_real = real
         if output_hidden is None:
             return torch.cat(parts, dim=1)
         logits = torch.cat([p[0] for p in parts], dim=1)
