@@ -413,6 +413,7 @@ def test_compact_keeps_only_a_root_to_node_path(family):
         ([-1, 0, 1, 1], [0, 2, 3], "child"),  # 3 is 2's sibling
         ([-1, 0, 0], [0, 1, 2], "child"),  # node order, but 2 is 1's sibling
         (None, [0, 2], "child"),  # a chain keeps a prefix
+        ([-1, 0, 1, 1], [0, 1, 1], "path"),  # a repeated node
     ]
     for parents, path, match in cases:
         cache = scored(parents)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -124,6 +125,16 @@ def check_compact_args(
         raise ValueError(f"num_accepted: expected shape [{batch}], got {list(num_accepted.shape)}")
 
 
+@functools.lru_cache(maxsize=16)
+def _single_bits(t: int) -> np.ndarray:
+    """uint32 ``[T, ceil(T / 32)]``: row ``j`` the ancestor-mask words with bit ``j`` alone."""
+    table = np.zeros((t, (t + 31) // 32), dtype=np.uint32)
+    j = np.arange(t)
+    table[j, j // 32] = np.left_shift(np.uint32(1), (j % 32).astype(np.uint32))
+    table.setflags(write=False)
+    return table
+
+
 def check_accepted_path(
     path: np.ndarray, counts: np.ndarray, tree_mask: Optional[torch.Tensor], t: int
 ) -> None:
@@ -153,20 +164,12 @@ def check_accepted_path(
         wrong = used & (nodes != np.arange(width)[None, :])
         rows = None
     else:
-        # rows[b, i]: the mask words of node path[b, i]. Node path[b, i] (i >= 1) saw exactly
-        # path[b, :i + 1] iff its row differs from that of path[b, i - 1] by its own bit alone
-        # (by induction from the root, which sees itself only).
+        # rows[b, i]: the mask words of node path[b, i], which must hold exactly the bits of
+        # path[b, :i + 1] (and path[b, i] must be new: a repeated node adds no bit).
         rows = tree_mask.cpu().numpy()[np.arange(batch)[:, None], nodes]
-        words = rows.shape[2]
-        own = np.where(
-            np.arange(words)[None, None, :] == (nodes // 32)[:, :, None],
-            (np.uint32(1) << (nodes % 32).astype(np.uint32))[:, :, None],
-            np.uint32(0),
-        )
-        root = rows[:, :1] != own[:, :1]  # the root sees itself only
-        steps = (rows[:, 1:] ^ rows[:, :-1]) != own[:, 1:]
-        steps |= (rows[:, 1:] & own[:, 1:]) != own[:, 1:]
-        wrong = used & np.concatenate((root, steps), axis=1).any(axis=2)
+        expected = np.bitwise_or.accumulate(_single_bits(t)[nodes], axis=1)
+        wrong = used & (rows != expected).any(axis=2)
+        wrong[:, 1:] |= used[:, 1:] & (nodes[:, 1:] <= nodes[:, :-1])
     if wrong.any():
         b, i = (int(x) for x in np.argwhere(wrong)[0])
         node = int(path[b, i])
