@@ -363,46 +363,20 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void pv_rows8(const float* p, int n, const typena
 }
 
 // ---- AVX2 streaming prefix scores (see the AVX-512 ones below) ------------------------------
-// Scores are per-key dot products: one 8-lane partial vector per (query row, key), summed across
-// lanes 8 keys at a time by reduce8. A head dim of 128 fp32 values is 16 vectors, all of AVX2's
-// registers, so the key is not held in registers across the rows: each row reloads it from L1
-// (the prefix is memory bound at these row counts).
+// Scores are per-key dot products, each row's sum taken across lanes in registers. A head dim of
+// 128 fp32 values is 16 vectors, all of AVX2's registers, so the query rows are not held in
+// registers across the keys: each key's pieces meet the rows' pieces reloaded from L1.
 
-// y[j] = sum of the 8 lanes of x[8 j .. 8 j + 8) for j < 8 (x: 8 vectors, 32-byte aligned).
-SD_TARGET_AVX2 SD_FORCE_INLINE __m256 reduce8(const float* x) {
-  __m256 a[4];
-  for (int i = 0; i < 4; ++i) {
-    a[i] = _mm256_hadd_ps(_mm256_load_ps(x + 16 * i), _mm256_load_ps(x + 16 * i + 8));
-  }
-  // Per 128-bit lane L: the lane-L pair sums of vectors 0, 1, 2, 3 (and 4 .. 7 in b1).
-  const __m256 b0 = _mm256_hadd_ps(a[0], a[1]);
-  const __m256 b1 = _mm256_hadd_ps(a[2], a[3]);
-  // Lane L of b0 holds the half sums (lane L of the 128-bit halves) of vectors 0 .. 3.
-  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
-}
-
-// Sums part rows [hr][kStreamKeys keys][8 lanes] into s[hr * kBlock + j] (times mult); key slots
-// >= n are zeroed first, so every lane summed is initialised.
-SD_TARGET_AVX2 SD_FORCE_INLINE void stream_reduce8(float* part, int hr, int n, float mult,
-                                                   float* s) {
-  const __m256 m = _mm256_set1_ps(mult);
-  for (int i = 0; i < hr; ++i) {
-    float* x = part + i * kStreamKeys * 8;
-    for (int j = n; j < kStreamKeys; ++j) _mm256_store_ps(x + 8 * j, _mm256_setzero_ps());
-    for (int g = 0; g < kStreamKeys; g += 8) {
-      _mm256_store_ps(s + i * kBlock + g, _mm256_mul_ps(reduce8(x + 8 * g), m));
-    }
-  }
-}
-
-// The partial score vectors of R query rows (q, D floats apart) against one key kr, into
-// out[r * kStreamKeys * 8]. Each 8-element piece of the key is loaded (and converted) once and
-// used by every row; each row keeps two FMA chains, which halves the FMA latency on its critical
-// path, so R <= 4 rows hold 2 R accumulators and the piece in registers. A row's additions are
-// those of a row taken alone (even pieces in one chain, odd in the other, then their sum).
+// The dot products of R <= 4 query rows (q, D floats apart) with one key kr: lane r of the
+// result for r < R, zero above. Each 8-element piece of the key is loaded (and converted) once
+// and used by every row; each row keeps two FMA chains, which halves the FMA latency on its
+// critical path, so 2 R accumulators and the piece fit the 16 registers. A row's additions are
+// those of reduce8 applied to its partial vector: even pieces in one chain, odd in the other,
+// their sum, then lanes (0 + 1) + (2 + 3) and (4 + 5) + (6 + 7), the 128-bit halves last.
 template <int D, int R, AttnDType DT>
-SD_TARGET_AVX2 SD_FORCE_INLINE void stream_key_rows8(const float* q, const typename Elem<DT>::T* kr,
-                                                     float* out) {
+SD_TARGET_AVX2 SD_FORCE_INLINE __m128 stream_key_dots4(const float* q,
+                                                       const typename Elem<DT>::T* kr) {
+  static_assert(R >= 1 && R <= 4, "at most four rows share a key piece");
   constexpr int CV = D / 8;
   __m256 a0[R], a1[R];
   const __m256 k0 = load8<DT>(kr);
@@ -419,48 +393,67 @@ SD_TARGET_AVX2 SD_FORCE_INLINE void stream_key_rows8(const float* q, const typen
         a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + 8 * c), kc, a0[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(out + r * kStreamKeys * 8, _mm256_add_ps(a0[r], a1[r]));
-  }
+  __m256 x[4];
+  for (int r = 0; r < 4; ++r) x[r] = r < R ? _mm256_add_ps(a0[r], a1[r]) : _mm256_setzero_ps();
+  // Per 128-bit half: the pair sums of rows 0, 1 (resp. 2, 3), then each row's half sum.
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// Partial score vectors of keys [0, n) of a block for every query row of `heads` KV heads (fp32
-// query rows, pre-scaled; keys converted in registers), kShare rows at a time. The block's keys
-// were hinted into L2 during the previous block's scores, its values during that block's P V;
-// these scores hint the next block's keys.
+// Scores of keys [0, n) of a block for every query row of `heads` KV heads (fp32 query rows,
+// pre-scaled; keys converted in registers), into s[(h * rows + r) * kBlock + j] (slots n .. 15
+// zeroed). Each key's row sums are taken in registers (stream_key_dots4) and parked as one
+// 4-float vector per (KV head, group of 4 rows, key) in dots; each group's 16 keys are then
+// transposed into score rows. The block's keys were hinted into L2 during the previous block's
+// scores, its values during that block's P V; these scores hint the next block's keys.
+//
+// Against 8-lane partial vectors per (row, key), stored and summed 8 keys at a time afterwards
+// (16 KiB of stores per block at T = 1 and GQA 4, beside the 16 KiB of query rows every key
+// reads, in a 32 KiB L1 the block's keys and the next block's hints stream through): the same
+// sums bit for bit; from DRAM, two threads, alternating processes, fp32 took 2-5 % less time
+// (B = 8 S = 4096, B = 1 S = 16384), bf16 and fp16 the same (session 25, bench/RESULTS.md).
 template <int D, AttnDType DT>
-SD_TARGET_AVX2 void stream_partials8(const float* q, int heads, int rows,
-                                     const typename Elem<DT>::T* k, int64_t rs, int64_t hs, int n,
-                                     NextKeys<typename Elem<DT>::T> next, float* part) {
+SD_TARGET_AVX2 void stream_dots(const float* q, int heads, int rows, const typename Elem<DT>::T* k,
+                                int64_t rs, int64_t hs, int n, NextKeys<typename Elem<DT>::T> next,
+                                float* dots, float* s) {
   constexpr int kRowBytes = D * static_cast<int>(sizeof(typename Elem<DT>::T));
-  // Each piece of a key is loaded (fp16 / bf16: converted) once for up to four rows. Against one
-  // row at a time, T = 1 at GQA 4 (B = 8 S = 4096, B = 1 S = 4096 and 16384), back-to-back calls
-  // in alternating processes: bf16 took 10-22 % less time, fp16 6-9 % less, fp32 the same within
-  // the noise; with cold caches bf16 B = 8 S = 4096 took 6 % less (bench/RESULTS.md,
-  // tree_attention, session 16).
   constexpr int kShare = 4;
+  const int groups = (rows + kShare - 1) / kShare;
   for (int j = 0; j < n; ++j) {
     for (int h = 0; h < heads; ++h) {
       const typename Elem<DT>::T* kr = k + j * rs + h * hs;
       next.hint(j, h, kRowBytes);
-      for (int r = 0; r < rows; r += kShare) {
-        const float* qr = q + static_cast<int64_t>(h * rows + r) * D;
-        float* out = part + (static_cast<int64_t>(h * rows + r) * kStreamKeys + j) * 8;
-        switch (std::min(rows - r, kShare)) {
+      for (int g = 0; g < groups; ++g) {
+        const float* qr = q + static_cast<int64_t>(h * rows + g * kShare) * D;
+        float* out = dots + ((h * groups + g) * kStreamKeys + j) * 4;
+        switch (std::min(rows - g * kShare, kShare)) {
           case 1:
-            stream_key_rows8<D, 1, DT>(qr, kr, out);
+            _mm_store_ps(out, stream_key_dots4<D, 1, DT>(qr, kr));
             break;
           case 2:
-            stream_key_rows8<D, 2, DT>(qr, kr, out);
+            _mm_store_ps(out, stream_key_dots4<D, 2, DT>(qr, kr));
             break;
           case 3:
-            stream_key_rows8<D, 3, DT>(qr, kr, out);
+            _mm_store_ps(out, stream_key_dots4<D, 3, DT>(qr, kr));
             break;
           default:
-            stream_key_rows8<D, 4, DT>(qr, kr, out);
+            _mm_store_ps(out, stream_key_dots4<D, 4, DT>(qr, kr));
             break;
         }
       }
+    }
+  }
+  for (int hg = 0; hg < heads * groups; ++hg) {
+    float* x = dots + hg * kStreamKeys * 4;
+    for (int j = n; j < kStreamKeys; ++j) _mm_store_ps(x + 4 * j, _mm_setzero_ps());
+    const int h = hg / groups, r0 = (hg % groups) * kShare;
+    const int nr = std::min(rows - r0, kShare);
+    for (int j = 0; j < kStreamKeys; j += 4) {
+      __m128 t0 = _mm_load_ps(x + 4 * j), t1 = _mm_load_ps(x + 4 * j + 4);
+      __m128 t2 = _mm_load_ps(x + 4 * j + 8), t3 = _mm_load_ps(x + 4 * j + 12);
+      _MM_TRANSPOSE4_PS(t0, t1, t2, t3);
+      const __m128 row[4] = {t0, t1, t2, t3};
+      for (int r = 0; r < nr; ++r) _mm_store_ps(s + (h * rows + r0 + r) * kBlock + j, row[r]);
     }
   }
 }
@@ -564,16 +557,15 @@ struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
   static constexpr bool kHintOtherHead = true;
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:
-  // heads * rows * kStreamKeys * 8 floats of scratch.
+  // heads * ceil(rows / 4) * kStreamKeys * 4 floats of 16-byte aligned scratch (stream_dots).
   template <AttnDType DT>
   SD_TARGET_AVX2 static void stream_scores(const float* q, int heads, int rows, int d,
                                            const typename Elem<DT>::T* k, int64_t rs, int64_t hs,
                                            int n, NextKeys<typename Elem<DT>::T> next, float,
                                            float* part, float* s) {
     with_head_dim(d, [&](auto dim) {
-      stream_partials8<decltype(dim)::value, DT>(q, heads, rows, k, rs, hs, n, next, part);
+      stream_dots<decltype(dim)::value, DT>(q, heads, rows, k, rs, hs, n, next, part, s);
     });
-    stream_reduce8(part, heads * rows, n, 1.0f, s);
   }
   template <AttnDType DT>
   SD_TARGET_AVX2 static void load_kt(const typename Elem<DT>::T* k, int64_t rs, int n, int d,
