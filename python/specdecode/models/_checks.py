@@ -125,6 +125,19 @@ def check_compact_args(
         raise ValueError(f"num_accepted: expected shape [{batch}], got {list(num_accepted.shape)}")
 
 
+def check_keep_rows(rows: Any, batch: int) -> None:
+    """A cache's ``keep_rows(rows)`` argument: an int64 CPU tensor ``[R]``, ``R >= 1``, of
+    distinct row indices in ``[0, batch)``."""
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64:
+        raise TypeError(f"rows: expected an int64 torch.Tensor, got {rows!r}")
+    if rows.device.type != "cpu" or rows.dim() != 1 or rows.numel() == 0:
+        raise ValueError(f"rows: expected a non-empty 1-D CPU tensor, got {list(rows.shape)}")
+    if int(rows.min()) < 0 or int(rows.max()) >= batch:
+        raise ValueError(f"rows: expected indices in [0, {batch}), got {rows.tolist()}")
+    if torch.unique(rows).numel() != rows.numel():
+        raise ValueError(f"rows: a row appears twice in {rows.tolist()}")
+
+
 @functools.lru_cache(maxsize=16)
 def _single_bits(t: int) -> np.ndarray:
     """uint32 ``[T, ceil(T / 32)]``: row ``j`` the ancestor-mask words with bit ``j`` alone."""

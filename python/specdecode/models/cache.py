@@ -13,6 +13,7 @@ from ._checks import (
     check_accepted_path,
     check_compact_args,
     check_float_dtype,
+    check_keep_rows,
     check_positive_int,
 )
 
@@ -177,16 +178,7 @@ class KVCache:
         TypeError, ValueError
             Not an int64 CPU tensor, empty, out of range or repeated; nothing changes then.
         """
-        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64:
-            raise TypeError(f"rows: expected an int64 torch.Tensor, got {rows!r}")
-        if rows.device.type != "cpu" or rows.dim() != 1 or rows.numel() == 0:
-            raise ValueError(f"rows: expected a non-empty 1-D CPU tensor, got {list(rows.shape)}")
-        if int(rows.min()) < 0 or int(rows.max()) >= self.batch_size:
-            raise ValueError(
-                f"rows: expected indices in [0, {self.batch_size}), got {rows.tolist()}"
-            )
-        if torch.unique(rows).numel() != rows.numel():
-            raise ValueError(f"rows: a row appears twice in {rows.tolist()}")
+        check_keep_rows(rows, self.batch_size)
         on_device = rows.to(self.device)
         self.k = self.k.index_select(1, on_device)
         self.v = self.v.index_select(1, on_device)
