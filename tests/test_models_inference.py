@@ -822,6 +822,158 @@ def test_keep_rows_drops_and_reorders_rows():
     assert cache.lengths.tolist() == [start[1] + 2]
 
 
+def _hf_layer_batches(cache) -> set[int]:
+    """The batch dimension of every K/V tensor in an HFCache's transformers cache."""
+    return {layer.keys.shape[0] for layer in cache.hf.layers} | {
+        layer.values.shape[0] for layer in cache.hf.layers
+    }
+
+
+@pytest.mark.parametrize("family", ["llama:hf", "qwen2:hf", "mistral:hf", "gpt2"])
+def test_hf_keep_rows_decodes_as_a_cache_of_the_kept_rows(family):
+    """Rows of different lengths, with holes from ragged rollbacks, kept in a new order: every
+    layer shrinks to the kept rows, and the next passes give the logits of a cache built from
+    scratch for those rows' sequences (and of transformers' full forward)."""
+    model, full = make_models(family)
+    prompts = [_tokens(n, seed=60 + n) for n in (6, 11, 2, 8)]
+    cache = model.new_cache(len(prompts), 64)
+    prefill(model, cache, prompts)
+    seqs = [list(p) for p in prompts]
+    for step in range(2):
+        drafts = [_tokens(3, seed=70 + 10 * step + b) for b in range(len(seqs))]
+        model.forward(
+            torch.tensor(drafts), cache.lengths.long().unsqueeze(1) + torch.arange(3), cache
+        )
+        keep = [(b + step) % 4 for b in range(len(seqs))]
+        cache.truncate([len(s) + k for s, k in zip(seqs, keep)])
+        for b, k in enumerate(keep):
+            seqs[b] += drafts[b][:k]
+    rows = [3, 0, 2]
+    cache.keep_rows(torch.tensor(rows))
+    kept = [seqs[r] for r in rows]
+    assert cache.batch_size == 3 and cache.lengths.tolist() == [len(s) for s in kept]
+    assert cache.valid.shape[0] == 3 and _hf_layer_batches(cache) == {3}
+    scratch = model.new_cache(3, 64)
+    prefill(model, scratch, kept)
+    for step in range(2):
+        nxt = torch.tensor([_tokens(2, seed=80 + 10 * step + b) for b in range(3)])
+        pos = cache.lengths.long().unsqueeze(1) + torch.arange(2)
+        out = model.forward(nxt, pos, cache)
+        torch.testing.assert_close(out, model.forward(nxt, pos, scratch), **TOL)
+        for b, s in enumerate(kept):
+            s += nxt[b].tolist()
+            torch.testing.assert_close(out[b], full(torch.tensor([s]))[0, -2:], **TOL)
+
+
+@pytest.mark.parametrize("family", ["llama:hf", "gpt2"])
+def test_hf_keep_rows_keeps_a_pending_tree_compactable(family):
+    """keep_rows between a tree pass and its compaction: each kept row is checked against and
+    compacted along its own tree, and decodes as the accepted sequence afterwards."""
+    model, full = make_models(family)
+    prompts = [_tokens(5, seed=110), _tokens(9, seed=111), _tokens(3, seed=112)]
+    cache = model.new_cache(3, 64)
+    prefill(model, cache, prompts)
+    trees = [[-1, 0, 1, 0], [-1, 0, 0, 1], [-1, 0, 0, 2]]
+    info = ops.tree_info(torch.tensor(trees, dtype=torch.int32))
+    toks = [_tokens(4, seed=120 + b) for b in range(3)]
+    pos = cache.lengths.long().unsqueeze(1) + info.depth.long()
+    model.forward(torch.tensor(toks), pos, cache, tree_mask=info.mask)
+    cache.keep_rows(torch.tensor([2, 0]))
+    assert cache.batch_size == 2 and cache.lengths.tolist() == [3 + 4, 5 + 4]
+    # [0, 2, 3] is a root-to-node path of row 2's tree only, [0, 1, 2] of row 0's only.
+    with pytest.raises(ValueError, match="path"):
+        cache.compact(
+            torch.tensor([[0, 1, 2], [0, 1, 2]], dtype=torch.int32),
+            torch.tensor([3, 3], dtype=torch.int32),
+        )
+    cache.compact(
+        torch.tensor([[0, 2, 3], [0, 1, 2]], dtype=torch.int32),
+        torch.tensor([3, 3], dtype=torch.int32),
+    )
+    kept = [prompts[2] + [toks[2][j] for j in (0, 2, 3)], prompts[0] + toks[0][:3]]
+    assert cache.lengths.tolist() == [len(s) for s in kept]
+    nxt = torch.tensor([[7], [9]])
+    out = model.forward(nxt, cache.lengths.long().unsqueeze(1), cache)
+    for b, s in enumerate(kept):
+        torch.testing.assert_close(out[b, 0], full(torch.tensor([s + [int(nxt[b])]]))[0, -1], **TOL)
+
+
+def test_hf_keep_rows_frees_the_slots_only_dropped_rows_used():
+    """Dropping the longest row crops the slots only it used; holes that then outweigh the kept
+    slots are squeezed out (as after a rollback), but not under a pending tree."""
+    model, full = make_models("llama:hf")
+    cache = model.new_cache(2, 128)
+    seqs = [_tokens(30, seed=130), _tokens(2, seed=131)]
+    prefill(model, cache, seqs)
+    assert cache.physical_length == 30
+    cache.keep_rows(torch.tensor([1]))
+    assert cache.physical_length == 2
+    # Two rows again: row 1 keeps a token every 10th step, row 0 every step, so row 1's slots
+    # end up spread thinly over the physical cache.
+    cache = model.new_cache(2, 128)
+    prefill(model, cache, seqs)
+    for step in range(40):
+        tok = _tokens(1, seed=140 + step)[0]
+        model.forward(torch.tensor([[tok]] * 2), cache.lengths.long().unsqueeze(1), cache)
+        seqs[0].append(tok)
+        if step % 10 == 9:
+            seqs[1].append(tok)
+        cache.truncate([len(s) for s in seqs])
+    assert cache.physical_length == 70 and cache.lengths.tolist() == [70, 6]
+    # Under a pending tree the slots stay put; its compaction squeezes them.
+    model.forward(
+        torch.tensor([[5, 6]] * 2), cache.lengths.long().unsqueeze(1) + torch.arange(2), cache
+    )
+    cache.keep_rows(torch.tensor([1]))
+    assert cache.physical_length == 72
+    cache.compact(torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+    assert cache.physical_length == 7
+    seqs[1].append(5)
+    out = model.forward(torch.tensor([[9]]), cache.lengths.long().unsqueeze(1), cache)
+    torch.testing.assert_close(out[0, 0], full(torch.tensor([seqs[1] + [9]]))[0, -1], **TOL)
+
+
+def test_hf_keep_rows_of_an_empty_cache():
+    """A cache that holds nothing (new, or rolled back to nothing) keeps rows too, and the next
+    pass runs at the kept batch size."""
+    model, full = make_models("llama:hf")
+    prompts = [_tokens(4, seed=150), _tokens(6, seed=151), _tokens(3, seed=152)]
+    for rolled_back in (False, True):
+        cache = model.new_cache(3, 32)
+        if rolled_back:
+            prefill(model, cache, prompts)
+            cache.truncate(0)
+        cache.keep_rows(torch.tensor([2, 1]))
+        assert cache.batch_size == 2 and cache.physical_length == 0
+        logits = prefill(model, cache, [prompts[2], prompts[1]])
+        for b, p in enumerate([prompts[2], prompts[1]]):
+            torch.testing.assert_close(logits[b, : len(p)], full(torch.tensor([p]))[0], **TOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama:hf"])
+def test_keep_rows_refuses_bad_rows_and_changes_nothing(family):
+    """Both caches refuse the same bad ``rows`` with the same kinds of errors, naming rows."""
+    model, _ = make_models(family)
+    cache = model.new_cache(3, 16)
+    prefill(model, cache, [_tokens(4, seed=160), _tokens(2, seed=161), _tokens(5, seed=162)])
+    lengths = cache.lengths.tolist()
+    for bad, err in (
+        ([0], TypeError),
+        (torch.tensor([0], dtype=torch.int32), TypeError),
+        (torch.tensor([0.0]), TypeError),
+        (torch.tensor([], dtype=torch.int64), ValueError),
+        (torch.tensor([[0, 1]]), ValueError),
+        (torch.tensor([3]), ValueError),
+        (torch.tensor([-1]), ValueError),
+        (torch.tensor([1, 1]), ValueError),
+    ):
+        with pytest.raises(err, match="rows"):
+            cache.keep_rows(bad)
+        assert cache.batch_size == 3 and cache.lengths.tolist() == lengths
+    if isinstance(model, HFCausalLM):
+        assert cache.valid.shape[0] == 3 and _hf_layer_batches(cache) == {3}
+
+
 def test_prepacked_products_match_torch_mm():
     from specdecode.models import transformer as tr
 

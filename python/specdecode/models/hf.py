@@ -13,7 +13,9 @@ slots are shared by the batch plus a per-row validity mask ``valid[B, P]``:
   right positions, attending to exactly the accepted path) and drops the rest from the mask;
 * after a rollback or a compaction, when the holes outweigh the kept slots, every row's valid
   slots are gathered to the front (so the physical length stays within about twice the longest
-  row).
+  row);
+* dropping rows (finished sequences, ``keep_rows``) selects them in every layer, then frees the
+  slots only the dropped rows used, as a rollback does.
 
 Invariant: row ``b`` sees exactly its ``lengths[b]`` valid slots, in order; masked slots never
 influence a result.
@@ -33,6 +35,7 @@ from ._checks import (
     check_accepted_path,
     check_compact_args,
     check_hidden_indices,
+    check_keep_rows,
     check_positive_int,
     check_tokens,
     check_tree_mask,
@@ -124,6 +127,50 @@ class HFCache:
         self._tree = None
         self._tidy()
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keeps only the given rows, in the given order (the batch shrinks to ``len(rows)``), as
+        :meth:`specdecode.models.KVCache.keep_rows` does.
+
+        A decoding loop drops the rows of finished sequences with it, so that later passes cost
+        only the running ones. Every layer of transformers' cache keeps those rows
+        (``batch_select_indices``, a copy), and so do the slot masks and lengths; the kept rows'
+        contents and lengths are unchanged, and a pending tree (forward done, not yet compacted)
+        stays compactable on the kept rows. Slots that no kept row uses any more are freed as
+        after a rollback: trailing ones are cropped, and the holes are squeezed out once they
+        outweigh the kept slots (not while a tree is pending: its slots stay where the forward
+        pass put them until it is compacted).
+
+        Parameters
+        ----------
+        rows : torch.Tensor
+            int64 ``[R]`` on the CPU, ``1 <= R``, distinct row indices in ``[0, B)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Not an int64 CPU tensor, empty, out of range or repeated; nothing changes then.
+        """
+        check_keep_rows(rows, self.batch_size)
+        on_device = rows.to(self._device)
+        if self.physical_length == 0:
+            # Nothing is cached, but transformers' layers may hold [B, H, 0, D] tensors (a crop
+            # to nothing), which batch_select_indices leaves alone (it selects in layers that
+            # hold tokens only) and to which the next pass could not append a smaller batch.
+            from transformers import DynamicCache
+
+            self.hf = DynamicCache()
+        else:
+            self.hf.batch_select_indices(on_device)
+        self._valid = self._valid.index_select(0, on_device)
+        self._lengths = self._lengths.index_select(0, on_device)
+        self._host_lengths = self._host_lengths.index_select(0, rows)
+        if self._tree is not None:
+            start_slot, t, start, tree_mask = self._tree
+            if tree_mask is not None:
+                tree_mask = tree_mask.index_select(0, on_device)
+            self._tree = (start_slot, t, start.index_select(0, rows), tree_mask)
+        self._tidy()
+
     def compact(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keeps nodes ``path[b, :num_accepted[b]]`` of the last forward's tree (see
         :meth:`specdecode.models.ModelCache.compact`): a root-to-node path, each node a child of
@@ -162,9 +209,10 @@ class HFCache:
     def _tidy(self) -> None:
         """Drops the trailing slots no row uses, and removes the holes once they outweigh the
         kept slots (each forward pass appends a slot per row and token, so rows that roll back
-        by different amounts leave holes that cropping alone never frees)."""
+        by different amounts leave holes that cropping alone never frees). Squeezing waits while
+        a tree is pending: compact finds its nodes at the slots the forward pass gave them."""
         self._crop()
-        if self.physical_length > 2 * int(self._host_lengths.max()) + 32:
+        if self._tree is None and self.physical_length > 2 * int(self._host_lengths.max()) + 32:
             self._squeeze()
 
     def _crop(self) -> None:
