@@ -280,6 +280,65 @@ def test_hf_greedy_equals_transformers_generate(family, kind):
         assert out.sequences[b] == ours == theirs, f"row {b}"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["cacheback", "chain"])
+def test_hf_finished_rows_leave_the_batch(family, kind):
+    """With a Hugging Face target, rows that stop early leave its cache too: the target's
+    passes run at the batch size of the running rows, and every row is still transformers' own
+    greedy continuation, cut at its stop token. (Not GPT-2: the tiny random one repeats one
+    token per row, so stop tokens cannot end rows at different times.)"""
+    from reference_models import hf_model
+
+    hf = hf_model(family)
+    hf_draft = hf_model(family, seed=5)
+    model = HFCausalLM(hf)
+    prompts = prompts_for(6, model.vocab_size, seed=4)
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        expected.append(
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=12,
+                min_new_tokens=12,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        )
+    stop = {expected[1][1], expected[3][4]}
+    cuts = [next((i + 1 for i, t in enumerate(row) if t in stop), len(row)) for row in expected]
+    assert len(set(cuts)) > 1  # rows end at different times
+    # Tokens each row has committed (from on_step) at the time of each target pass.
+    committed = [0] * len(prompts)
+    seen = []
+
+    class Snapshots(Counting):
+        def forward(self, *args, **kwargs):
+            seen.append(list(committed))
+            return super().forward(*args, **kwargs)
+
+    def on_step(row, tokens):
+        committed[row] += len(tokens)
+
+    counted = Snapshots(model)
+    out = generate(
+        counted,
+        prompts,
+        drafter=make_drafter(kind, HFCausalLM(hf_draft)),
+        max_new_tokens=12,
+        stop_token_ids=stop,
+        on_step=on_step,
+    )
+    for b, row in enumerate(expected):
+        assert out.sequences[b] == row[: cuts[b]], f"row {b}"
+    # Every pass runs exactly the rows that had not finished before it.
+    batches = [shape[0] for shape in counted.calls]
+    running = [sum(n < len(s) for n, s in zip(snap, out.sequences)) for snap in seen]
+    assert batches == running
+    assert "stop" in out.finish_reasons and min(batches) < len(prompts)
+
+
 # ---- sampling is lossless ------------------------------------------------------------------------
 
 
