@@ -313,6 +313,55 @@ def test_model_drafter_tree_is_a_valid_budgeted_tree_holding_the_greedy_path():
     assert int(d.cache.lengths[0]) == 2
 
 
+class _NumNodesRecorder:
+    """A Transformer whose forward records the num_nodes it is given (None when not given)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.seen = []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(
+        self, input_ids, positions, cache, tree_mask=None, output_hidden=None, *, num_nodes=None
+    ):
+        self.seen.append(
+            (tuple(input_ids.shape), None if num_nodes is None else num_nodes.tolist())
+        )
+        return self.model.forward(
+            input_ids, positions, cache, tree_mask, output_hidden, num_nodes=num_nodes
+        )
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_model_drafter_passes_only_fed_rows_as_real_tokens(mode):
+    # Rows a pass does not feed (sequences another drafter serves this step, finished ones) and
+    # the tails of shorter rows are padding: a model that takes num_nodes is told so, and the
+    # drafts are those of a drafter that feeds the rows alone.
+    from specdecode.drafters import ModelDrafter
+
+    model = _tiny(7)
+    options = {"k": 3} if mode == "chain" else {"k": 3, "branch": 2, "beam": 2, "max_nodes": 8}
+    recorder = _NumNodesRecorder(model)
+    d = ModelDrafter(recorder, mode=mode, **options)
+    prompts = [[3, 4, 5], [9, 1], [1, 2, 3, 4, 5, 6]]
+    d.start([0, 1, 2], prompts)
+    recorder.seen.clear()
+    tree = d.propose([2, 0])  # row 1 is not drafted
+    assert recorder.seen
+    for shape, real in recorder.seen:
+        assert real is not None and len(real) == 3 and real[1] == 0
+        assert 1 <= real[0] <= shape[1] and 1 <= real[2] <= shape[1]
+    # The catch-up pass feeds each row's tokens missing from its cache: 3 and 6 of them here.
+    assert recorder.seen[0][1] == [3, 0, 6]
+    alone = ModelDrafter(model, mode=mode, **options)
+    alone.start([0, 2], [prompts[0], prompts[2]])
+    expected = alone.propose([2, 0])
+    assert tree.tokens.tolist() == expected.tokens.tolist()
+    assert tree.parents.tolist() == expected.parents.tolist()
+
+
 def test_model_drafter_errors():
     from specdecode.drafters import ModelDrafter
 

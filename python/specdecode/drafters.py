@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import ops
+from .models.protocol import accepts_num_nodes
 from .ops import DraftTree, NGramCache, tree_info
 
 __all__ = [
@@ -467,6 +468,9 @@ class ModelDrafter:
             if not lo <= value <= hi:
                 raise ValueError(f"{name}: expected {lo} to {hi}, got {value}")
         self.model = model
+        # Whether the model's forward skips padding (num_nodes): then the rows a pass does not
+        # feed, and the padding of shorter rows, cost it nothing (_forward_rows).
+        self._ragged = accepts_num_nodes(model)
         self.mode = mode
         self.k = k
         self.sample = bool(sample)
@@ -606,7 +610,10 @@ class ModelDrafter:
 
         Every cache row takes part in the forward pass (the protocol is batched over the whole
         cache); rows not fed get one padding token that is truncated away again, as are the
-        padding tokens of shorter rows. Returns logits ``[len(slots), T, V]``.
+        padding tokens of shorter rows. A model that takes ``num_nodes`` (as
+        :class:`~specdecode.models.Transformer`) is told each row's real tokens, so that padding
+        (rows of finished sequences, rows another drafter serves this step, the tails of shorter
+        rows) is not computed. Returns logits ``[len(slots), T, V]`` (zeros at padding).
         """
         cache = self.cache
         before = cache.lengths.to("cpu", torch.int64).clone()
@@ -626,12 +633,18 @@ class ModelDrafter:
             full[:, 0] = -1
             full[slots, : parents.shape[1]] = parents
             mask = tree_info(full).mask
+        extra = {}
+        if self._ragged:
+            real = torch.zeros(total, dtype=torch.int64)
+            real[slots] = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+            extra["num_nodes"] = real
         device = self.model.device
         logits = self.model.forward(
             ids.to(device),
             pos.to(device),
             cache,
             tree_mask=None if mask is None else mask.to(device),
+            **extra,
         )
         cache.truncate(after)
         return logits[torch.tensor(slots, device=logits.device)]

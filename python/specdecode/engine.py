@@ -21,7 +21,6 @@ is the root of the next tree and is scored by the next forward pass.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import time
 import weakref
@@ -33,6 +32,7 @@ import torch
 from . import ops
 from ._ops.verify import method_options
 from .drafters import Drafter, NoDrafter, _host_int32
+from .models.protocol import accepts_num_nodes
 
 __all__ = [
     "AdaptiveBudget",
@@ -424,16 +424,6 @@ class AdaptiveBudget:
         """Updates the moving average of a step's time outside the target's forward pass."""
         old = self._overhead
         self._overhead = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-
-
-def _accepts_num_nodes(target: Any) -> bool:
-    """Whether ``target.forward`` takes ``num_nodes=`` (skips the padding of ragged trees, as
-    :meth:`specdecode.models.Transformer.forward` does)."""
-    try:
-        params = inspect.signature(target.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return "num_nodes" in params
 
 
 # Calibrated forward-cost curves of CostAwareBudget, per target and batch size (as for
@@ -1029,7 +1019,7 @@ class SpeculativeDecoder:
         self.verify_options = verify_options
         # A target that skips padding tokens (num_nodes=) does no work for the unused nodes of
         # short drafts and of finished rows.
-        self._ragged = _accepts_num_nodes(target)
+        self._ragged = accepts_num_nodes(target)
 
     # ---- request validation ------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ chain suffix) or compacted (keep the accepted root-to-node path of a tree).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
@@ -126,3 +127,14 @@ class CausalLM(Protocol):
         signature has it.
         """
         ...
+
+
+def accepts_num_nodes(model: Any) -> bool:
+    """Whether ``model.forward`` takes ``num_nodes=`` (an optional extension of
+    :meth:`CausalLM.forward`: the real tokens per row of a ragged batch, whose padding is then
+    not computed, as :meth:`specdecode.models.Transformer.forward` does)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "num_nodes" in params
