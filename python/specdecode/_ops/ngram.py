@@ -329,12 +329,7 @@ class NGramCache:
         Forgets the slots' tails and, with per-slot tables, their tables; with ``shared=True``
         the shared tables keep what they learnt. ``slots``: int32 ``[B]``, distinct.
         """
-        slots = _int32_array(slots, "slots")
-        try:
-            self._native.reset(slots, False)
-        except ValueError:
-            raise_numpy_dtype_error("dtype int32", slots=slots)
-            raise
+        self._reset_slots(slots, keep_tables=False)
 
     def end_stream(self, slots: Any) -> None:
         """Ends the slots' token streams without forgetting their tables.
@@ -342,9 +337,13 @@ class NGramCache:
         The next :meth:`update` starts a new stream: no n-gram spans the boundary (between two
         documents of a corpus, say). ``slots``: int32 ``[B]``, distinct.
         """
+        self._reset_slots(slots, keep_tables=True)
+
+    def _reset_slots(self, slots: Any, keep_tables: bool) -> None:
+        # The native reset: a slot's tail is always forgotten, its own tables unless keep_tables.
         slots = _int32_array(slots, "slots")
         try:
-            self._native.reset(slots, True)
+            self._native.reset(slots, keep_tables)
         except ValueError:
             raise_numpy_dtype_error("dtype int32", slots=slots)
             raise
