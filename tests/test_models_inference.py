@@ -390,6 +390,25 @@ def test_hidden_states(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama:hf"])
+def test_numpy_integers_size_caches_and_index_hidden_states(family):
+    """Sizes and layer indices may be numpy integers (as lengths and the engine's counts may):
+    they become Python ints; a numpy bool is refused like a bool."""
+    model, _ = make_models(family)
+    cache = model.new_cache(np.int64(2), np.int32(16))
+    assert type(cache.batch_size) is int and cache.batch_size == 2
+    assert type(cache.max_length) is int and cache.max_length == 16
+    seq = torch.tensor([_tokens(4, seed=71)] * 2)
+    logits, (hidden,) = model.forward(
+        seq, torch.arange(4).expand(2, 4), cache, output_hidden=[np.int64(-1)]
+    )
+    assert hidden.shape[:2] == (2, 4)
+    with pytest.raises(TypeError, match="batch_size"):
+        model.new_cache(np.bool_(True), 16)
+    with pytest.raises(TypeError, match="output_hidden"):
+        model.forward(seq[:, :1], torch.tensor([[4], [4]]), cache, output_hidden=[np.bool_(1)])
+
+
+@pytest.mark.parametrize("family", ["llama", "llama:hf"])
 def test_compact_keeps_only_a_root_to_node_path(family):
     """compact keeps K/V computed while each kept node attended to its tree ancestors: a path
     that skips the root, jumps between branches or skips a chain node would leave a cache that

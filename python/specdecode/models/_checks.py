@@ -14,11 +14,13 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as a Python int ``>= minimum``; numpy integers are taken (as lengths and the
+    engine's counts take them), bools and other types are a TypeError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
+    return int(value)
 
 
 def check_float_dtype(name: str, dtype: Any, min_bits: int = 8) -> torch.dtype:
@@ -208,8 +210,9 @@ def check_hidden_indices(output_hidden: Optional[Sequence[int]], num_layers: int
         )
     out = []
     for i in output_hidden:
-        if isinstance(i, bool) or not isinstance(i, int):
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
             raise TypeError(f"output_hidden: expected ints, got {i!r}")
+        i = int(i)
         j = i + num_layers + 1 if i < 0 else i
         if not 0 <= j <= num_layers:
             raise ValueError(

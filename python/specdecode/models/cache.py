@@ -44,14 +44,16 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: Union[torch.device, str, None] = None,
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("batch_size", batch_size),
-            ("max_length", max_length),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
+        num_layers, batch_size, max_length, num_kv_heads, head_dim = (
             check_positive_int(name, value)
+            for name, value in (
+                ("num_layers", num_layers),
+                ("batch_size", batch_size),
+                ("max_length", max_length),
+                ("num_kv_heads", num_kv_heads),
+                ("head_dim", head_dim),
+            )
+        )
         check_float_dtype("dtype", dtype)
         device = torch.device(device if device is not None else "cpu")
         shape = (num_layers, batch_size, max_length, num_kv_heads, head_dim)

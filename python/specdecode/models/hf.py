@@ -69,8 +69,8 @@ class HFCache:
     def __init__(self, batch_size: int, max_length: int, device: torch.device) -> None:
         from transformers import DynamicCache
 
-        check_positive_int("batch_size", batch_size)
-        check_positive_int("max_length", max_length)
+        batch_size = check_positive_int("batch_size", batch_size)
+        max_length = check_positive_int("max_length", max_length)
         self.hf = DynamicCache()
         self._max_length = max_length
         self._device = device
@@ -337,7 +337,7 @@ class HFCausalLM:
         position limit / sliding window."""
         if max_length is None:
             max_length = self._max_length
-        check_positive_int("max_length", max_length)
+        max_length = check_positive_int("max_length", max_length)
         if max_length > self._max_length:
             raise ValueError(
                 f"max_length: {max_length} exceeds the model's max length {self._max_length} "

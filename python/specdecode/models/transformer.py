@@ -500,11 +500,11 @@ class Transformer(nn.Module):
         device unless given; a given ``dtype`` must be a floating-point one (the K/V are stored
         rounded to it).
         """
-        check_positive_int("batch_size", batch_size)
+        batch_size = check_positive_int("batch_size", batch_size)
         limit = self.config.max_length
         if max_length is None:
             max_length = limit
-        check_positive_int("max_length", max_length)
+        max_length = check_positive_int("max_length", max_length)
         if max_length > limit:
             raise ValueError(
                 f"max_length: {max_length} exceeds the model's max length {limit} "
