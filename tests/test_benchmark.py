@@ -344,6 +344,24 @@ def test_unwritable_output_folder_is_reported_before_the_run(tmp_path, monkeypat
     assert f"--out: cannot write to {str(blocker / 'results')!r}" in capsys.readouterr().err
 
 
+def test_a_run_that_fails_leaves_no_output_folder_behind(tmp_path, monkeypatch, capsys):
+    """The output folder is checked before the run and made when the outputs are written: a run
+    that fails in between leaves no empty folders (nor their missing parents) behind."""
+
+    def failing_run(*args, **kwargs):
+        raise ValueError("the run failed")
+
+    monkeypatch.setattr(benchmark, "run_benchmark", failing_run)
+    out = tmp_path / "new" / "results"
+    assert benchmark.main(["--out", str(out), "--quiet", "--no-plot"]) == 2
+    assert "the run failed" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    # An existing folder stays.
+    out.mkdir(parents=True)
+    assert benchmark.main(["--out", str(out), "--quiet", "--no-plot"]) == 2
+    assert out.is_dir() and not any(out.iterdir())
+
+
 def test_missing_matplotlib_is_reported_before_the_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(benchmark, "run_benchmark", _no_run)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails

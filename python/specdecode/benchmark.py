@@ -936,7 +936,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def _check_outputs(out_dir: Path, plot: bool) -> None:
     """Raises ValueError if ``out_dir`` cannot be created or written to, ModuleNotFoundError if
-    ``plot`` and matplotlib is missing."""
+    ``plot`` and matplotlib is missing. The folders this check creates are removed again (the
+    outputs create them at the end), so a run that fails leaves none behind."""
+    missing = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / ".specdecode-bench-write-test"
@@ -944,6 +946,12 @@ def _check_outputs(out_dir: Path, plot: bool) -> None:
         probe.unlink()
     except OSError as e:
         raise ValueError(f"--out: cannot write to {str(out_dir)!r}: {e.strerror or e}") from None
+    finally:
+        for d in missing:
+            try:
+                d.rmdir()
+            except OSError:
+                break  # not created here, or no longer empty
     if plot:
         try:
             import matplotlib  # noqa: F401
