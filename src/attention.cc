@@ -193,33 +193,12 @@ struct GenericKernels {
   }
 };
 
-#ifdef SD_X86
-#define SD_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define SD_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-// AVX-512 with AVX512_BF16 (vdpbf16ps, vcvtneps2bf16): see Avx512Bf16Kernels.
-#define SD_TARGET_AVX512BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
-
-// 2^f on |f| <= 1/2 for exp2_avx2 and exp2_avx512: the degree-7 Taylor polynomial of 2^f,
-// coefficients ln2^k / k! from k = 7 down to 0 (relative error < 1e-8, below fp32 rounding).
-constexpr float kExp2Poly[8] = {1.5252733804059841e-05f, 1.5403530393381606e-04f,
-                                1.3333558146428443e-03f, 9.6181291076284772e-03f,
-                                5.5504108664821580e-02f, 2.4022650695910071e-01f,
-                                6.9314718055994531e-01f, 1.0f};
-
-// ---- AVX2 kernels --------------------------------------------------------------------------
+// ---- next-block hints ----------------------------------------------------------------------
+// Outside the x86 section: the drivers (stream_range, lane_range_of) name NextKeys on every
+// target, and __builtin_prefetch is GCC's and Clang's on any architecture.
 
 // A hint that parks a line in L2 (prefetcht1), not L1: see stream_range.
 SD_FORCE_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
-
-// Hints the first `bytes` bytes of row j of the next block's values (rows `stride` elements
-// apart) into L2: the P V tiles spread these over their FMAs. The next block's keys are hinted
-// apart from them, around the scores (NextKeys).
-template <class T>
-SD_FORCE_INLINE void hint_next_values(const T* next_v, int64_t j, int64_t stride, int bytes) {
-  const char* nv = reinterpret_cast<const char*>(next_v + j * stride);
-  for (int b = 0; b < bytes; b += 64) prefetch_l2(nv + b);
-}
 
 // The keys of an item's next block: key j of KV head h at k + j * rs + h * hs, for j < n (n = 0
 // after the item's last block). They are hinted into L2 apart from the values, which the P V
@@ -242,6 +221,31 @@ struct NextKeys {
     return j < n ? NextKeys{k + j * rs, n - j, rs, hs} : NextKeys{k, 0, rs, hs};
   }
 };
+
+#ifdef SD_X86
+#define SD_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define SD_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+// AVX-512 with AVX512_BF16 (vdpbf16ps, vcvtneps2bf16): see Avx512Bf16Kernels.
+#define SD_TARGET_AVX512BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+
+// 2^f on |f| <= 1/2 for exp2_avx2 and exp2_avx512: the degree-7 Taylor polynomial of 2^f,
+// coefficients ln2^k / k! from k = 7 down to 0 (relative error < 1e-8, below fp32 rounding).
+constexpr float kExp2Poly[8] = {1.5252733804059841e-05f, 1.5403530393381606e-04f,
+                                1.3333558146428443e-03f, 9.6181291076284772e-03f,
+                                5.5504108664821580e-02f, 2.4022650695910071e-01f,
+                                6.9314718055994531e-01f, 1.0f};
+
+// ---- AVX2 kernels --------------------------------------------------------------------------
+
+// Hints the first `bytes` bytes of row j of the next block's values (rows `stride` elements
+// apart) into L2: the P V tiles spread these over their FMAs. The next block's keys are hinted
+// apart from them, around the scores (NextKeys).
+template <class T>
+SD_FORCE_INLINE void hint_next_values(const T* next_v, int64_t j, int64_t stride, int bytes) {
+  const char* nv = reinterpret_cast<const char*>(next_v + j * stride);
+  for (int b = 0; b < bytes; b += 64) prefetch_l2(nv + b);
+}
 
 // The AVX-512 kernels on 8-lane vectors: the tile path (keys transposed 8 x 8 in registers,
 // register-blocked score and P V tiles of at most 4 rows x 2 vectors, 16 ymm registers) and the
@@ -1910,6 +1914,9 @@ template <class K, AttnDType DT>
 void lane_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
                 const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws, float* o,
                 SoftmaxState* st) {
+  // Only the x86 kernels have a lane path (K::kLaneRows is 0 elsewhere, and the lane vectors
+  // exist only there).
+#ifdef SD_X86
   if constexpr (K::kLaneRows > 0) {
     if (sh.rows <= Lanes8::kW) {
       lane_range_of<K, DT, Lanes8>(a, sh, k, v, begin, end, ws, o, st);
@@ -1917,6 +1924,7 @@ void lane_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>
       lane_range_of<K, DT, Lanes16>(a, sh, k, v, begin, end, ws, o, st);
     }
   }
+#endif
 }
 
 // One work item: KV heads kvh0 .. kvh0 + sh.heads of sequence b over prefix keys [begin, end),

@@ -368,7 +368,8 @@ void run(const verify::VerifyArgs& args, int final_slices) {
   // A row costs a few passes over V; small vocabularies (statistical tests) batch many rows.
   const int64_t per_row = std::max<int64_t>(1, args.vocab * args.n);
   const int64_t grain = std::max<int64_t>(1, 65536 / per_row);
-  const Isa isa = cpu_isa();
+  // Unused where no vector path is compiled (non-x86 targets).
+  [[maybe_unused]] const Isa isa = cpu_isa();
   parallel_for(args.batch, grain, [&](int64_t begin, int64_t end) {
 #ifdef SD_VERIFY_HAVE_AVX2
     if (isa == Isa::kAvx512) return run_range<CpuExecAvx512, T, Q>(args, begin, end, final_slices);
@@ -390,7 +391,8 @@ template <class T>
 void run_distribution(const verify::DistributionArgs& args) {
   // A row costs a few passes over V, as in run.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, args.vocab));
-  const Isa isa = cpu_isa();
+  // Unused where no vector path is compiled (non-x86 targets).
+  [[maybe_unused]] const Isa isa = cpu_isa();
   parallel_for(args.batch, grain, [&](int64_t begin, int64_t end) {
 #ifdef SD_VERIFY_HAVE_AVX2
     if (isa == Isa::kAvx512) return distribution_range<CpuExecAvx512, T>(args, begin, end);
@@ -454,7 +456,7 @@ void sampling_distribution(const verify::DistributionArgs& args, VerifyDType row
 
 int verify_exp_approx(const float* x, float* y, int64_t n, int isa) {
   const int have = static_cast<int>(cpu_isa());
-  const int use = isa < have ? isa : have;
+  [[maybe_unused]] const int use = isa < have ? isa : have;  // unused off x86
 #ifdef SD_VERIFY_HAVE_AVX2
   if (use == static_cast<int>(Isa::kAvx512)) {
     exp_avx512(x, y, n);
