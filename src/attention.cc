@@ -12,8 +12,9 @@
 //
 // The prefix [0, prefix_len) is dense and unmasked; the tree [prefix_len, prefix_len + T) uses
 // the bitmask. They accumulate into separate states that are merged with the log-sum-exp rule,
-// like the prefix splits of a long cache. The split size is fixed (kSplitKeys), never derived from
-// the thread count, so results do not depend on the number of threads.
+// like the prefix splits of a long cache. The split size is a function of the shapes only
+// (make_shape, split_keys_of), never of the thread count, so results do not depend on the number
+// of threads.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -42,9 +43,8 @@ namespace sd {
 namespace cpu {
 namespace {
 
-constexpr int kBlock = 64;            // keys per block: 4 vectors of 16 floats
-constexpr int64_t kSplitKeys = 2048;  // prefix keys per work item (a multiple of kBlock)
-constexpr int kRowTile = 8;           // query rows per register tile
+constexpr int kBlock = 64;   // keys per block: 4 vectors of 16 floats
+constexpr int kRowTile = 8;  // query rows per register tile
 // The streaming prefix path (AVX-512 and AVX2, at most K::kStreamRows query rows per KV head):
 // keys per block. Scores of a block are 16 floats per query row.
 constexpr int kStreamKeys = 16;

@@ -1,9 +1,11 @@
 #include "specdecode/parallel.h"
 
 #include <dlfcn.h>
-#include <link.h>
 #include <pthread.h>
 #include <sched.h>
+#if defined(__linux__)
+#include <link.h>  // dl_iterate_phdr: the loaded objects, to find an OpenMP runtime
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -21,11 +23,13 @@ namespace sd {
 namespace {
 
 int cpu_count() {
+#if defined(__linux__)
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) {
     const int n = CPU_COUNT(&set);
     if (n > 0) return n;
   }
+#endif
   const unsigned hc = std::thread::hardware_concurrency();
   return hc > 0 ? static_cast<int>(hc) : 1;
 }
@@ -91,6 +95,7 @@ struct OpenMpRuntime {
   std::string path;
 };
 
+#if defined(__linux__)
 bool names_openmp_runtime(const char* path) {
   const char* base = std::strrchr(path, '/');
   base = base != nullptr ? base + 1 : path;
@@ -144,6 +149,12 @@ const OpenMpRuntime* find_loaded_openmp() {
   }
   return nullptr;
 }
+#else
+// Without dl_iterate_phdr (macOS) the loaded objects are not enumerated: no runtime is found and
+// every job runs on the pool of our own (as SPECDECODE_THREADING=pool does on Linux).
+unsigned long long loaded_object_adds() { return 0; }
+const OpenMpRuntime* find_loaded_openmp() { return nullptr; }
+#endif
 
 void run_team_member(void* job) { work(*static_cast<Job*>(job)); }
 
