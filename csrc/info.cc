@@ -8,7 +8,9 @@
 
 #include "array.h"
 #include "registry.h"
+#include "specdecode/attention_ops.h"
 #include "specdecode/parallel.h"
+#include "specdecode/verify_ops.h"
 
 #ifdef SPECDECODE_WITH_CUDA
 #include "runtime.cuh"
@@ -117,6 +119,12 @@ py::dict build_info() {
   info["cuda"] = cuda;
   info["num_threads"] = num_threads();
   info["threading"] = threading_info();
+  // The CPU code paths the kernels take here (vector kernels exist on x86-64 only; elsewhere
+  // both report their portable paths).
+  py::dict cpu_kernels;
+  cpu_kernels["tree_attention"] = cpu::attention_isa();
+  cpu_kernels["verify"] = cpu::verify_isa();
+  info["cpu_kernels"] = cpu_kernels;
 #if defined(__clang__)
   info["compiler"] = std::string("clang ") + __clang_version__;
 #elif defined(__GNUC__)

@@ -454,6 +454,17 @@ void sampling_distribution(const verify::DistributionArgs& args, VerifyDType row
   }
 }
 
+const char* verify_isa() {
+  switch (cpu_isa()) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "baseline";
+  }
+}
+
 int verify_exp_approx(const float* x, float* y, int64_t n, int isa) {
   const int have = static_cast<int>(cpu_isa());
   [[maybe_unused]] const int use = isa < have ? isa : have;  // unused off x86

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +32,35 @@ def test_info_fields():
     if cuda["compiled"] and not cuda["devices"]:
         assert cuda["error"]  # says why no device is usable
     assert data["num_threads"] >= 1
+
+
+def test_info_reports_the_cpu_kernel_paths():
+    kernels = specdecode.info()["cpu_kernels"]
+    assert kernels["tree_attention"] == _C.attention_isa()
+    assert kernels["tree_attention"] in ("avx512bf16", "avx512", "avx2", "generic")
+    # verify's path is the best its exp loops run here (0 baseline, 1 AVX2, 2 AVX-512).
+    x = np.zeros(8, dtype=np.float32)
+    used = _C.verify_exp_approx(x, np.empty_like(x), 2)
+    assert kernels["verify"] == ("baseline", "avx2", "avx512")[used]
+    if platform.machine() not in ("x86_64", "AMD64"):
+        assert kernels == {"tree_attention": "generic", "verify": "baseline"}
+    line = f"tree_attention {kernels['tree_attention']}, verify {kernels['verify']}"
+    assert f"CPU kernels: {line}" in specdecode._info.format_info()
+    # The attention override is what the next call runs, and info follows it.
+    try:
+        assert _C.set_attention_isa("generic")
+        assert specdecode.info()["cpu_kernels"]["tree_attention"] == "generic"
+    finally:
+        _C.set_attention_isa("")
+    assert specdecode.info()["cpu_kernels"]["tree_attention"] == kernels["tree_attention"]
+
+
+def test_info_reports_verify_capped_by_the_environment():
+    code = "import specdecode; print(specdecode.info()['cpu_kernels']['verify'])"
+    env = dict(os.environ, SPECDECODE_CPU_ISA="baseline")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "baseline"
 
 
 def test_set_num_threads_round_trip():

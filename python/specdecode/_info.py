@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import warnings
 from typing import Any, Literal
 
@@ -30,7 +31,10 @@ def info() -> dict[str, Any]:
         encodes them, e.g. 13000 for 13.0, 0 when absent; ``devices``, a list of dicts with
         ``index``, ``name``, ``capability``, ``total_memory``; ``error``, why no device is usable,
         empty when devices were found); ``num_threads`` (int, threads of the CPU kernels);
-        ``threading`` (dict, as :func:`get_threading`); ``compiler`` (str).
+        ``threading`` (dict, as :func:`get_threading`); ``cpu_kernels`` (dict: the CPU code
+        path of ``tree_attention``, ``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"generic"``,
+        and of ``verify``, ``"avx512"``, ``"avx2"`` or ``"baseline"``; the vector paths exist on
+        x86-64 only, other CPUs run the portable ones); ``compiler`` (str).
     """
     return dict(_C.build_info())
 
@@ -109,6 +113,8 @@ def format_info(data: dict[str, Any] | None = None) -> str:
         f"specdecode {data['version']}",
         f"backends compiled in: {', '.join(data['backends'])}",
         f"CPU threads: {data['num_threads']} ({_threading_line(data['threading'])})",
+        f"CPU kernels: tree_attention {data['cpu_kernels']['tree_attention']}, "
+        f"verify {data['cpu_kernels']['verify']} ({platform.machine() or 'unknown CPU'})",
         f"compiler: {data['compiler']}",
     ]
     if cuda["compiled"]:

@@ -23,6 +23,10 @@ void verify(const verify::VerifyArgs& args, VerifyDType target, VerifyDType draf
 // over the rows; `rows` is the element type of args.rows.
 void sampling_distribution(const verify::DistributionArgs& args, VerifyDType rows);
 
+// The row loops verify runs on this CPU: "avx512", "avx2" or "baseline" (the portable loops,
+// the only ones off x86), after SPECDECODE_CPU_ISA's cap.
+const char* verify_isa();
+
 // y[i] = verify::exp_approx(x[i]) computed by the exp of the row loops of ISA `isa` (0 baseline,
 // 1 AVX2, 2 AVX-512), capped to what this CPU runs (and to SPECDECODE_CPU_ISA); returns the ISA
 // used. For the tests of the exp's accuracy and of its bit-equality across ISAs.
