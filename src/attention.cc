@@ -1118,8 +1118,9 @@ struct Avx512Kernels : lanes_avx512::LaneKernels<Avx512Kernels> {
   // 5-25 % faster than the tiles, which transpose every key block and read each KV head's keys
   // a 4 KiB page apart.
   static constexpr int kLaneRows = 16;
-  // The streaming and lane paths hint each head's own next block (see hinted_head): the other
-  // head's was measured on AVX2 only.
+  // The streaming and lane paths hint each head's own next block (see hinted_head). The other
+  // head's, which the AVX2 kernels take, measured within the noise on a Zen 4 VM (session 26,
+  // 18 alternating rounds: bf16 T = 1 medians 5-9 % lower, minima not; bench/RESULTS.md).
   static constexpr bool kHintOtherHead = false;
   // Scores of keys [0, n) < kStreamKeys of a block against every query row of `heads` KV heads
   // (q rows [heads * rows][d], pre-scaled), into s[(h * rows + r) * kBlock + j]. part:

@@ -1,0 +1,123 @@
+"""A/B of two builds of tree_attention in alternating processes, caches cold before each call.
+
+Each build is a folder holding an installed ``specdecode`` (``pip install --target DIR .``; an
+empty string is the package installed in the environment). Every round runs one process per
+build, base first; a process times each case's ``ops.tree_attention`` call 15 times, each after
+writing a 96 MiB buffer (so the KV comes from DRAM, as in a model's forward where every layer's
+cache is a different one), and prints the minimum in ms. Alternating processes spread the load of
+other processes on a shared machine over both builds alike; compare medians over rounds.
+
+    python bench/attention_ab.py --rounds 6 --base "" --new /tmp/side_new
+
+Cases: Hq 32, Hkv 8, D 128 (GQA 4), chains of T tree nodes after a prefix of S keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = [  # (dtype, B, S, T)
+    ("bf16", 8, 4096, 1),
+    ("bf16", 1, 16384, 1),
+    ("bf16", 1, 4096, 1),
+    ("fp32", 8, 4096, 1),
+    ("fp32", 1, 16384, 1),
+    ("fp16", 8, 4096, 1),
+    ("bf16", 8, 4096, 2),
+    ("fp32", 8, 4096, 2),
+    ("bf16", 8, 4096, 4),
+]
+HQ, HKV, D = 32, 8, 128
+
+
+def case_name(case: tuple[str, int, int, int]) -> str:
+    dtype, b, s, t = case
+    return f"{dtype} B{b} S{s} T{t}"
+
+
+def time_cases(calls: int) -> list[float]:
+    """Min ms of ``calls`` cold-cache calls per case, in this process."""
+    import torch
+
+    from specdecode import ops
+
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+    torch.manual_seed(0)
+    flush = torch.empty(96 << 20, dtype=torch.uint8)
+    out = []
+    for dtype, b, s, t in CASES:
+        dt = dtypes[dtype]
+        q = torch.randn(b, t, HQ, D, dtype=dt)
+        k = torch.randn(b, s + t, HKV, D, dtype=dt)
+        v = torch.randn(b, s + t, HKV, D, dtype=dt)
+        prefix = torch.full((b,), s, dtype=torch.int32)
+        ops.tree_attention(q, k, v, prefix)
+        best = float("inf")
+        for _ in range(calls):
+            flush.add_(1)
+            t0 = time.perf_counter()
+            ops.tree_attention(q, k, v, prefix)
+            best = min(best, time.perf_counter() - t0)
+        out.append(best * 1e3)
+    return out
+
+
+def run_build(path: str, calls: int) -> list[float]:
+    env = dict(os.environ)
+    if path:
+        env["PYTHONPATH"] = path
+    else:
+        env.pop("PYTHONPATH", None)
+    # From a neutral folder, so that a source tree in the working directory is never imported.
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", str(calls)],
+        env=env,
+        cwd=os.path.dirname(os.path.abspath(os.sep)),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [float(x) for x in proc.stdout.split()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--calls", type=int, default=15)
+    parser.add_argument("--base", default="", help="folder of the base build ('' = installed)")
+    parser.add_argument("--new", required=False, help="folder of the new build")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        print(" ".join(f"{x:.3f}" for x in time_cases(args.child)), flush=True)
+        return
+    if args.new is None:
+        parser.error("--new is required")
+    if args.rounds < 1 or args.calls < 1:
+        parser.error("--rounds and --calls must be at least 1")
+    print("cases: " + " | ".join(case_name(c) for c in CASES))
+    results: dict[str, list[list[float]]] = {"base": [], "new": []}
+    for _ in range(args.rounds):
+        for label, path in (("base", args.base), ("new", args.new)):
+            times = run_build(path, args.calls)
+            results[label].append(times)
+            print(f"{label}: " + " ".join(f"{x:.3f}" for x in times), flush=True)
+    print("\n| case | base median (min) | new median (min) | new / base (medians) |")
+    print("|---|---|---|---|")
+    for i, case in enumerate(CASES):
+        base = [r[i] for r in results["base"]]
+        new = [r[i] for r in results["new"]]
+        ratio = statistics.median(new) / statistics.median(base)
+        print(
+            f"| {case_name(case)} | {statistics.median(base):.3f} ({min(base):.3f}) | "
+            f"{statistics.median(new):.3f} ({min(new):.3f}) | {ratio:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
