@@ -1413,10 +1413,14 @@ SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, i
 }
 
 // The P V of the bf16 lane path runs on vdpbf16ps too: the weights are rounded to bf16 (relative
-// error 2^-9 per weight, the rounding of a bf16 output; the sums of the softmax stay fp32) and
-// pairs of keys are multiplied and added at once, at twice the FMA rate. Both operands hold
-// pairs of keys (2m, 2m + 1) as 32-bit words: the weights of a row, broadcast, and the values of
-// 16 columns, staged once per block.
+// error 2^-9 per weight; the sums of the softmax stay fp32) and pairs of keys are multiplied and
+// added at once, at twice the FMA rate. Both operands hold pairs of keys (2m, 2m + 1) as 32-bit
+// words: the weights of a row, broadcast, and the values of 16 columns, staged once per block.
+// The price: 34-38 % of the outputs are one bf16 ulp off the exactly rounded result (torch's bf16
+// SDPA on the CPU: 37-41 %), where every other path is exact in more than 99 % of them. Fp32
+// weights (or a bf16 pair of weight and residual) make this path exact too and cost 12-22 % more
+// time at T = 2 and 4 from DRAM; the streaming path (up to 4 rows) keeps fp32 weights, since its
+// P V on pair words saved 1-6 % from DRAM there (session 27, bench/RESULTS.md).
 
 // As lane_weights, with the weights as bf16 pair words: pw[m * 16 + r] = (P[r][2m], P[r][2m + 1])
 // for the block's 8 key pairs m and the rows r < L::kW (keys >= n weigh 0).
