@@ -1597,10 +1597,16 @@ def test_top_p_keeps_exactly_the_nucleus(v, logits, top_k):
 
 @pytest.mark.parametrize("v", [16, 3001])
 def test_one_hot_draft_distributions_verify_as_deterministic_drafts(v):
-    """A chain verified with the one-hot law of each node's child as draft_probs gives, seed for
-    seed, the tokens of the same chain verified as deterministic drafts: accept x when u < p(x)
-    (u q(x) < p(x) with q(x) = 1), correct from p without x (max(p - q, 0) is p with x zeroed).
-    (A batch mixing such drafts with sampled ones says so directly with draft_deterministic.)"""
+    """A chain verified with the one-hot law of each node's child as draft_probs makes, seed for
+    seed, the accept / reject decisions of the same chain verified as deterministic drafts:
+    accept x when u < p(x) (u q(x) < p(x) with q(x) = 1). The correction is drawn from the same
+    law (max(p - q, 0) is p with x zeroed) by the same uniform, but the two paths form its
+    cumulative sums in different units (normalised residuals against raw weights), so a uniform
+    within rounding of a boundary between two tokens picks the neighbour: 17 rows in about
+    255,000 corrections over 40 seeds on x86, and this test's seeds under another torch's
+    randn on aarch64 (session 27). Such rows are allowed, a few per batch, and must still avoid x.
+    (A batch mixing such drafts with sampled ones says so directly with draft_deterministic,
+    which gives the deterministic path's tokens exactly.)"""
     gen = torch.Generator().manual_seed(v)
     b, n = 2048, 4
     for kw in (dict(), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8)):
@@ -1617,8 +1623,20 @@ def test_one_hot_draft_distributions_verify_as_deterministic_drafts(v):
         s = seeds(b)
         plain = ops.verify(target, tokens, seed=s, offset=3, **kw)
         one_hot = ops.verify(target, tokens, draft_probs=q, seed=s, offset=3, **kw)
-        for x, y in zip(plain, one_hot):
-            assert torch.equal(x, y), kw
+        for name in ("num_accepted", "num_emitted", "path", "status"):
+            assert torch.equal(getattr(plain, name), getattr(one_hot, name)), (name, kw)
+        last = plain.num_emitted.long() - 1
+        rows = torch.arange(b)
+        differ = plain.emitted[rows, last] != one_hot.emitted[rows, last]
+        # Everything before the correction or bonus token is the accepted path, equal above.
+        assert torch.equal(plain.emitted[~differ], one_hot.emitted[~differ]), kw
+        assert int(differ.sum()) <= 4, (int(differ.sum()), kw)
+        # Only a correction (a rejection, not a bonus) can differ, and neither side emits the
+        # rejected draft token.
+        assert bool((plain.num_accepted[differ] < n - 1).all()), kw
+        rejected = tokens[rows, plain.num_accepted.long().clamp(max=n - 2) + 1]
+        for res in (plain, one_hot):
+            assert bool((res.emitted[rows, last][differ] != rejected[differ]).all()), kw
         assert int(plain.num_accepted.max()) == n - 1, kw
 
 
