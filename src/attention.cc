@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -197,8 +198,9 @@ struct GenericKernels {
 // Outside the x86 section: the drivers (stream_range, lane_range_of) name NextKeys on every
 // target, and __builtin_prefetch is GCC's and Clang's on any architecture.
 
-// A hint that parks a line in L2 (prefetcht1), not L1: see stream_range.
-SD_FORCE_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+// A hint that parks a line in L2 (prefetcht1), not L1: see stream_range. Only the x86 kernels
+// hint, so elsewhere nothing calls it (clang would say it is not needed).
+[[maybe_unused]] SD_FORCE_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 // The keys of an item's next block: key j of KV head h at k + j * rs + h * hs, for j < n (n = 0
 // after the item's last block). They are hinted into L2 apart from the values, which the P V
@@ -2020,6 +2022,9 @@ Shape make_shape(const AttentionArgs& a) {
 // (bench/results/attention_s10_long_splits.txt); a 16384-key prefix still makes 16 items.
 constexpr int64_t kLongPrefix = 8192;
 
+// Rows per chunk of the merge of the splits: each row reads splits * (D + 1) floats.
+constexpr int64_t kMergeGrain = 16;
+
 // Keys per split of a row with this prefix: a function of the row's own prefix only, so a row's
 // result never depends on the other rows of the batch.
 inline int64_t split_keys_of(const Shape& sh, int64_t prefix) {
@@ -2049,8 +2054,10 @@ void run(const AttentionArgs& a) {
   const int64_t item_rows = sh.heads * sh.rows;
   const int64_t part_stride = item_rows * (sh.d + 1);
 
-  std::vector<float> scratch;
-  if (splits > 1) scratch.resize(static_cast<size_t>(items * part_stride));
+  // Every (item, row) slot the merge reads is written by its item first, so the scratch is left
+  // uninitialised: zeroing it cost one thread up to a few percent of a B = 1 call.
+  std::unique_ptr<float[]> scratch;
+  if (splits > 1) scratch.reset(new float[static_cast<size_t>(items * part_stride)]);
 
   parallel_for(items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -2079,7 +2086,7 @@ void run(const AttentionArgs& a) {
                           write_row<DT>(a, sh, b, row_index(sh, kvh0, rr), o, lse);
                         });
       } else {
-        float* part = scratch.data() + item * part_stride;
+        float* part = scratch.get() + item * part_stride;
         run_item<K, DT>(a, sh, b, kvh0, kb, std::min(ke, prefix), last,
                         [&](int64_t rr, const float* o, float lse) {
                           std::memcpy(part + rr * (sh.d + 1), o, sh.d * sizeof(float));
@@ -2090,24 +2097,26 @@ void run(const AttentionArgs& a) {
   });
   if (splits == 1) return;
 
-  // Merge the splits of every row in split order (deterministic).
-  parallel_for(batch * groups, 1, [&](int64_t begin, int64_t end) {
+  // Merge the splits of every row in split order (deterministic whatever the chunks). Chunks
+  // are rows, not sequences: at B = 1 one sequence holds every row, and merging them on one
+  // thread left the others waiting.
+  const int64_t merge_rows = batch * groups * item_rows;
+  parallel_for(merge_rows, kMergeGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(sh.d);
-    for (int64_t bg = begin; bg < end; ++bg) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t bg = row / item_rows, rr = row % item_rows;
       const int64_t b = bg / groups, kvh0 = (bg % groups) * sh.heads;
       if (a.status[b] != 0) continue;
-      for (int64_t rr = 0; rr < item_rows; ++rr) {
-        float lse = -INFINITY;
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t s = 0; s < splits; ++s) {
-          const float* part = scratch.data() + (bg * splits + s) * part_stride + rr * (sh.d + 1);
-          float wa, wb;
-          lse = lse_merge_weights(lse, part[sh.d], &wa, &wb);
-          if (wb == 0.0f) continue;
-          for (int64_t i = 0; i < sh.d; ++i) acc[i] = wa * acc[i] + wb * part[i];
-        }
-        write_row<DT>(a, sh, b, row_index(sh, kvh0, rr), acc.data(), lse);
+      float lse = -INFINITY;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t s = 0; s < splits; ++s) {
+        const float* part = scratch.get() + (bg * splits + s) * part_stride + rr * (sh.d + 1);
+        float wa, wb;
+        lse = lse_merge_weights(lse, part[sh.d], &wa, &wb);
+        if (wb == 0.0f) continue;
+        for (int64_t i = 0; i < sh.d; ++i) acc[i] = wa * acc[i] + wb * part[i];
       }
+      write_row<DT>(a, sh, b, row_index(sh, kvh0, rr), acc.data(), lse);
     }
   });
 }
