@@ -8,8 +8,10 @@ cache is a different one), and prints the minimum in ms. Alternating processes s
 other processes on a shared machine over both builds alike; compare medians over rounds.
 
     python bench/attention_ab.py --rounds 6 --base "" --new /tmp/side_new
+    python bench/attention_ab.py --new /tmp/side_new --cases bf16:1:4096:4 fp32:1:512:1
 
-Cases: Hq 32, Hkv 8, D 128 (GQA 4), chains of T tree nodes after a prefix of S keys.
+Cases: Hq 32, Hkv 8, D 128 (GQA 4), chains of T tree nodes after a prefix of S keys; the default
+list below, or ``--cases DTYPE:B:S:T ...``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import time
 
+DTYPES = ("bf16", "fp32", "fp16")
 CASES = [  # (dtype, B, S, T)
     ("bf16", 8, 4096, 1),
     ("bf16", 1, 16384, 1),
@@ -40,7 +43,27 @@ def case_name(case: tuple[str, int, int, int]) -> str:
     return f"{dtype} B{b} S{s} T{t}"
 
 
-def time_cases(calls: int) -> list[float]:
+def parse_case(text: str) -> tuple[str, int, int, int]:
+    """``"bf16:1:4096:4"`` -> ``("bf16", 1, 4096, 4)``."""
+    parts = text.split(":")
+    if len(parts) != 4 or parts[0] not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"expected DTYPE:B:S:T with DTYPE one of {DTYPES}, got {text!r}"
+        )
+    try:
+        b, s, t = (int(x) for x in parts[1:])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"B, S and T must be integers, got {text!r}") from None
+    if b < 1 or s < 0 or t < 1:
+        raise argparse.ArgumentTypeError(f"need B >= 1, S >= 0, T >= 1, got {text!r}")
+    return parts[0], b, s, t
+
+
+def case_arg(case: tuple[str, int, int, int]) -> str:
+    return ":".join(str(x) for x in case)
+
+
+def time_cases(calls: int, cases: list[tuple[str, int, int, int]]) -> list[float]:
     """Min ms of ``calls`` cold-cache calls per case, in this process."""
     import torch
 
@@ -50,7 +73,7 @@ def time_cases(calls: int) -> list[float]:
     torch.manual_seed(0)
     flush = torch.empty(96 << 20, dtype=torch.uint8)
     out = []
-    for dtype, b, s, t in CASES:
+    for dtype, b, s, t in cases:
         dt = dtypes[dtype]
         q = torch.randn(b, t, HQ, D, dtype=dt)
         k = torch.randn(b, s + t, HKV, D, dtype=dt)
@@ -67,7 +90,7 @@ def time_cases(calls: int) -> list[float]:
     return out
 
 
-def run_build(path: str, calls: int) -> list[float]:
+def run_build(path: str, calls: int, cases: list[tuple[str, int, int, int]]) -> list[float]:
     env = dict(os.environ)
     if path:
         env["PYTHONPATH"] = path
@@ -75,7 +98,9 @@ def run_build(path: str, calls: int) -> list[float]:
         env.pop("PYTHONPATH", None)
     # From a neutral folder, so that a source tree in the working directory is never imported.
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", str(calls)],
+        [sys.executable, os.path.abspath(__file__), "--child", str(calls)]
+        + ["--cases"]
+        + [case_arg(c) for c in cases],
         env=env,
         cwd=os.path.dirname(os.path.abspath(os.sep)),
         capture_output=True,
@@ -91,25 +116,34 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=15)
     parser.add_argument("--base", default="", help="folder of the base build ('' = installed)")
     parser.add_argument("--new", required=False, help="folder of the new build")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        type=parse_case,
+        default=CASES,
+        metavar="DTYPE:B:S:T",
+        help="cases to time instead of the default list, e.g. bf16:1:4096:4",
+    )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    cases = args.cases
     if args.child is not None:
-        print(" ".join(f"{x:.3f}" for x in time_cases(args.child)), flush=True)
+        print(" ".join(f"{x:.3f}" for x in time_cases(args.child, cases)), flush=True)
         return
     if args.new is None:
         parser.error("--new is required")
     if args.rounds < 1 or args.calls < 1:
         parser.error("--rounds and --calls must be at least 1")
-    print("cases: " + " | ".join(case_name(c) for c in CASES))
+    print("cases: " + " | ".join(case_name(c) for c in cases))
     results: dict[str, list[list[float]]] = {"base": [], "new": []}
     for _ in range(args.rounds):
         for label, path in (("base", args.base), ("new", args.new)):
-            times = run_build(path, args.calls)
+            times = run_build(path, args.calls, cases)
             results[label].append(times)
             print(f"{label}: " + " ".join(f"{x:.3f}" for x in times), flush=True)
     print("\n| case | base median (min) | new median (min) | new / base (medians) |")
     print("|---|---|---|---|")
-    for i, case in enumerate(CASES):
+    for i, case in enumerate(cases):
         base = [r[i] for r in results["base"]]
         new = [r[i] for r in results["new"]]
         ratio = statistics.median(new) / statistics.median(base)
