@@ -1815,7 +1815,10 @@ SD_FORCE_INLINE int hinted_head(int h, int heads) {
 
 // The prefix keys [begin, end) of the item's KV heads, read key-major in blocks of kStreamKeys:
 // scores of every query row (stream_scores), then per KV head the online-softmax update and P V
-// of the block. Same state and accumulator contract as attend_range.
+// of the block. Same state and accumulator contract as attend_range, tree and mask_b included:
+// the tree part of an item on this path takes it too, each row's keys masked by its mask row
+// (the tiles of attend_range would transpose and score a whole 64-key block for T <= 4 nodes:
+// at T = 1 that cost as much as about 40 prefix keys).
 //
 // Overlap of transfer and compute: each core reads its items from DRAM at a limited rate (one
 // core streams about 20-23 GB/s here), so the transfer of a block must proceed while the
@@ -1834,8 +1837,8 @@ SD_FORCE_INLINE int hinted_head(int h, int heads) {
 //   bench/results/attention_s12_next_keys.txt).
 template <class K, AttnDType DT>
 void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
-                  const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws,
-                  float* o, SoftmaxState* st) {
+                  const typename Elem<DT>::T* v, int64_t begin, int64_t end, bool tree,
+                  const uint32_t* mask_b, Workspace& ws, float* o, SoftmaxState* st) {
   if constexpr (K::kStream) {
     const int d = static_cast<int>(sh.d);
     const int rows = static_cast<int>(sh.rows);
@@ -1851,10 +1854,17 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
       const NextKeys<typename Elem<DT>::T> next{k + (j0 + n) * rs, n_next, rs, hs};
       K::template stream_scores<DT>(ws.q, heads, rows, d, k + j0 * rs, rs, hs, n, next,
                                     a.scale * kLog2e, ws.part, ws.sall);
-      const uint32_t vis = (uint32_t{1} << n) - 1;
+      const uint32_t all = (uint32_t{1} << n) - 1;
       for (int h = 0; h < heads; ++h) {
         float* sh_rows = ws.sall + static_cast<int64_t>(h) * rows * kBlock;
         for (int r = 0; r < rows; ++r) {
+          uint32_t vis = all;
+          if (tree) {
+            const int t = r / static_cast<int>(sh.g);
+            const uint32_t* mrow = mask_b ? mask_b + t * sh.words : nullptr;
+            vis = static_cast<uint32_t>(
+                block_visibility(mrow, t, static_cast<int>(j0 - begin), n, true));
+          }
           ws.alpha[r] = K::softmax_row16(sh_rows + r * kBlock, vis, &st[h * rows + r]);
         }
         K::template pv_stream<DT>(sh_rows, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
@@ -1955,7 +1965,7 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   const T* k = static_cast<const T*>(a.k) + b * a.kv_strides[0] + kvh0 * a.kv_strides[2];
   const T* v = static_cast<const T*>(a.v) + b * a.kv_strides[0] + kvh0 * a.kv_strides[2];
   if (stream) {
-    stream_range<K, DT>(a, sh, k, v, begin, end, ws, ws.o_prefix, ws.st_prefix);
+    stream_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   } else if (lanes) {
     lane_range<K, DT>(a, sh, k, v, begin, end, ws, ws.o_prefix, ws.st_prefix);
   } else {
@@ -1965,8 +1975,13 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
     const int64_t prefix = a.prefix_lens[b];
     const uint32_t* mask_b = a.mask ? a.mask + b * sh.t * sh.words : nullptr;
     const int64_t rs = a.kv_strides[1];
-    attend_range<K, DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws,
-                        ws.o_tree, ws.st_tree);
+    if (stream) {
+      stream_range<K, DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws,
+                          ws.o_tree, ws.st_tree);
+    } else {
+      attend_range<K, DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws,
+                          ws.o_tree, ws.st_tree);
+    }
   }
   for (int64_t rr = 0; rr < rows; ++rr) {
     float inv_p, inv_t = 0.0f;
