@@ -514,6 +514,13 @@ struct Lanes8 {
   SD_TARGET_AVX2 SD_FORCE_INLINE static V zero_if_ninf(V x) {
     return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), x);
   }
+  // x in the lanes r whose bit r of `lanes` is set, -inf in the others.
+  SD_TARGET_AVX2 SD_FORCE_INLINE static V keep_lanes(V x, uint32_t lanes) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i set =
+        _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(lanes)), bit), bit);
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, _mm256_castsi256_ps(set));
+  }
   SD_TARGET_AVX2 SD_FORCE_INLINE static V exp2(V x) { return exp2_avx2(x); }
   // r[i] = row i of an 8 x 8 tile on entry, column i on exit.
   SD_TARGET_AVX2 SD_FORCE_INLINE static void transpose(V* r) { transpose8(r); }
@@ -856,6 +863,10 @@ struct Lanes16 {
   SD_TARGET_AVX512 SD_FORCE_INLINE static V zero_if_ninf(V x) {
     return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
                               _mm512_setzero_ps());
+  }
+  // x in the lanes r whose bit r of `lanes` is set, -inf in the others.
+  SD_TARGET_AVX512 SD_FORCE_INLINE static V keep_lanes(V x, uint32_t lanes) {
+    return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>(lanes), x);
   }
   SD_TARGET_AVX512 SD_FORCE_INLINE static V exp2(V x) { return exp2_avx512(x); }
   // r[i] = row i of a 16 x 16 tile on entry, column i on exit.
@@ -1427,9 +1438,10 @@ SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, i
 // As lane_weights, with the weights as bf16 pair words: pw[m * 16 + r] = (P[r][2m], P[r][2m + 1])
 // for the block's 8 key pairs m and the rows r < L::kW (keys >= n weigh 0).
 template <class L>
-SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_weight_pairs(typename L::V* s, int n, float* ml,
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_weight_pairs(typename L::V* s, int n,
+                                                            const uint32_t* vis, float* ml,
                                                             uint32_t* pw, float* alpha) {
-  lanes_avx512::lane_update<L>(s, n, ml, alpha);
+  lanes_avx512::lane_update<L>(s, n, vis, ml, alpha);
   for (int m = 0; m < kStreamKeys / 2; ++m) L::store_pairs(pw + kLanes * m, s[2 * m], s[2 * m + 1]);
 }
 
@@ -1525,13 +1537,13 @@ struct Avx512Bf16Kernels : Avx512Kernels {
   // the sums.
   template <AttnDType DT, class L>
   SD_TARGET_AVX512BF16 static void lane_block(const float* qt, int d, int rows, const uint16_t* k,
-                                              int64_t rs, int n, float mult, float*, float* ml,
-                                              float* p, float* alpha) {
+                                              int64_t rs, int n, const uint32_t* vis, float mult,
+                                              float*, float* ml, float* p, float* alpha) {
     static_assert(DT == AttnDType::kBFloat16, "bf16 only");
     typename L::V s[kStreamKeys];
     with_head_dim(
         d, [&](auto dim) { lane_scores_bf16<decltype(dim)::value, L>(qt, k, rs, n, mult, s); });
-    lane_weight_pairs<L>(s, n, ml, reinterpret_cast<uint32_t*>(p), alpha);
+    lane_weight_pairs<L>(s, n, vis, ml, reinterpret_cast<uint32_t*>(p), alpha);
   }
   // As Avx512Kernels::lane_pv on vdpbf16ps: p holds the weight pair words of lane_block, and the
   // values are staged as pair words into vbuf first.
@@ -1883,11 +1895,12 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
 // bench/results/attention_s12_lane_next_keys.txt): bf16 T = 4 at B = 8, S = 4096 took 15-16 %
 // less time, T = 2 2-15 % less (fp32 and bf16), T = 3 and fp32 T = 4 within 3 %. The block
 // hinted during head h's work is that of hinted_head(h). Same state and accumulator contract as
-// attend_range.
+// attend_range, tree and mask_b included: as on the streaming path, the tree part of an item on
+// this path takes it too, each key hidden from the rows whose mask row lacks it.
 template <class K, AttnDType DT, class L>
 void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
-                   const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws,
-                   float* o, SoftmaxState* st) {
+                   const typename Elem<DT>::T* v, int64_t begin, int64_t end, bool tree,
+                   const uint32_t* mask_b, Workspace& ws, float* o, SoftmaxState* st) {
   const int d = static_cast<int>(sh.d);
   const int rows = static_cast<int>(sh.rows);
   const int heads = static_cast<int>(sh.heads);
@@ -1906,6 +1919,21 @@ void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<
     const int n = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0));
     const int n_next = static_cast<int>(std::min<int64_t>(kStreamKeys, end - j0 - n));
     const NextKeys<typename Elem<DT>::T> next{k + (j0 + n) * rs, n_next, rs, hs};
+    // The tree part: bit r of vis[j] is set when row r (tree node r / g) sees key j0 + j; the
+    // same for every KV head.
+    uint32_t vis[kStreamKeys];
+    if (tree) {
+      for (int j = 0; j < n; ++j) {
+        const int key = static_cast<int>(j0 - begin) + j;
+        uint32_t bits = 0;
+        for (int r = 0; r < rows; ++r) {
+          const int t = r / static_cast<int>(sh.g);
+          const uint32_t* mrow = mask_b ? mask_b + t * sh.words : nullptr;
+          if (tree_key_visible(mrow, t, key)) bits |= uint32_t{1} << r;
+        }
+        vis[j] = bits;
+      }
+    }
     for (int h = 0; h < heads; ++h) {
       // The hinted head's next keys are hinted before this head's scores, its next values during
       // this head's P V (as in stream_range, one burst here: the lane scores of a head take as
@@ -1913,8 +1941,8 @@ void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<
       const int hinted = hinted_head<K>(h, heads);
       for (int j = 0; j < n_next; ++j) next.hint(j, hinted, row_bytes);
       K::template lane_block<DT, L>(ws.qt + h * words * L::kW, d, rows, k + j0 * rs + h * hs, rs, n,
-                                    a.scale * kLog2e, ws.kt, ws.lane_ml + h * 2 * kLanes, ws.sall,
-                                    ws.alpha);
+                                    tree ? vis : nullptr, a.scale * kLog2e, ws.kt,
+                                    ws.lane_ml + h * 2 * kLanes, ws.sall, ws.alpha);
       K::template lane_pv<DT>(ws.sall, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
                               o + static_cast<int64_t>(h) * rows * sh.d,
                               v + (j0 + n) * rs + hinted * hs, n_next, ws.vb);
@@ -1929,16 +1957,16 @@ void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<
 // lane_range_of on the narrowest lane vector that holds the rows of a KV head.
 template <class K, AttnDType DT>
 void lane_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
-                const typename Elem<DT>::T* v, int64_t begin, int64_t end, Workspace& ws, float* o,
-                SoftmaxState* st) {
+                const typename Elem<DT>::T* v, int64_t begin, int64_t end, bool tree,
+                const uint32_t* mask_b, Workspace& ws, float* o, SoftmaxState* st) {
   // Only the x86 kernels have a lane path (K::kLaneRows is 0 elsewhere, and the lane vectors
   // exist only there).
 #ifdef SD_X86
   if constexpr (K::kLaneRows > 0) {
     if (sh.rows <= Lanes8::kW) {
-      lane_range_of<K, DT, Lanes8>(a, sh, k, v, begin, end, ws, o, st);
+      lane_range_of<K, DT, Lanes8>(a, sh, k, v, begin, end, tree, mask_b, ws, o, st);
     } else if constexpr (K::kLaneRows > Lanes8::kW) {
-      lane_range_of<K, DT, Lanes16>(a, sh, k, v, begin, end, ws, o, st);
+      lane_range_of<K, DT, Lanes16>(a, sh, k, v, begin, end, tree, mask_b, ws, o, st);
     }
   }
 #endif
@@ -1967,7 +1995,7 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   if (stream) {
     stream_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   } else if (lanes) {
-    lane_range<K, DT>(a, sh, k, v, begin, end, ws, ws.o_prefix, ws.st_prefix);
+    lane_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   } else {
     attend_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   }
@@ -1978,6 +2006,9 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
     if (stream) {
       stream_range<K, DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws,
                           ws.o_tree, ws.st_tree);
+    } else if (lanes) {
+      lane_range<K, DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws,
+                        ws.o_tree, ws.st_tree);
     } else {
       attend_range<K, DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws,
                           ws.o_tree, ws.st_tree);
