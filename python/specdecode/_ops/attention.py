@@ -222,7 +222,7 @@ def tree_attention(
     out : torch.Tensor
         ``[B, T, Hq, D]`` of the dtype of ``q`` (accumulated in float32). bfloat16 inputs on
         a CPU with AVX512_BF16 multiply bf16 operands: the scores exactly, and, with 5 to 16
-        query rows per KV head (``T * Hq / Hkv``), the prefix's ``P V`` with the softmax
+        query rows per KV head (``T * Hq / Hkv``), ``P V`` (prefix and tree) with the softmax
         weights rounded to bfloat16 (relative error 2^-9 per weight, the size of the output's
         own rounding).
     lse : torch.Tensor
