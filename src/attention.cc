@@ -1396,37 +1396,32 @@ SD_TARGET_AVX512BF16 void stream_partials_rows_bf16(const float* q, int heads, i
   stream_partials2_bf16<D>(q, heads, rows, k, rs, hs, n, next, part);
 }
 
-// s[j] = mult * sum_i qt[i] . kp[j][i] over the W bf16 pairs of G keys (vdpbf16ps, each pair of
+// s[j] = mult * sum_i qt[i] . kp[j][i] over the W bf16 pairs of 8 keys (vdpbf16ps, each pair of
 // key elements broadcast from memory as one 32-bit word).
-template <int W, int G, class L>
+template <int W, class L>
 SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_dots_bf16(const float* qt, const uint16_t* const* kp,
                                                          float mult, typename L::V* s) {
-  typename L::V acc[G];
-  for (int j = 0; j < G; ++j) acc[j] = L::zero();
+  typename L::V acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = L::zero();
   for (int i = 0; i < W; ++i) {
-    for (int j = 0; j < G; ++j) {
+    for (int j = 0; j < 8; ++j) {
       uint32_t w;
       std::memcpy(&w, kp[j] + 2 * i, sizeof(w));
       acc[j] = L::dp_pair(acc[j], qt + L::kW * i, w);
     }
   }
   const typename L::V m = L::set1(mult);
-  for (int j = 0; j < G; ++j) s[j] = L::mul(acc[j], m);
+  for (int j = 0; j < 8; ++j) s[j] = L::mul(acc[j], m);
 }
 
-// As lane_scores_f32 on raw bf16 keys and pair words of the query (D / 2 per row). Keys per group:
-// a vdpbf16ps waits about 6 cycles for its accumulator, and Zen 4 issues two ymm ones per cycle
-// (one zmm), so 8 rows (ymm) take 16 keys at a time, 12 or more chains to keep both pipes busy;
-// the sum of each key is the same chain in the same order either way (bit-identical scores).
+// As lane_scores_f32 on raw bf16 keys and pair words of the query (D / 2 per row).
 template <int D, class L>
 SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, int64_t rs, int n,
                                            float mult, typename L::V* s) {
-  constexpr int G = L::kW == 8 ? 16 : 8;
-  static_assert(G <= kStreamKeys, "a group fits the block");
-  for (int g = 0; g < n; g += G) {
-    const uint16_t* kp[G];
-    for (int h = 0; h < G; h += 8) lane_group_keys(k, rs, n, g + h, kp + h);
-    lane_dots_bf16<D / 2, G, L>(qt, kp, mult, s + g);
+  for (int g = 0; g < n; g += 8) {
+    const uint16_t* kp[8];
+    lane_group_keys(k, rs, n, g, kp);
+    lane_dots_bf16<D / 2, L>(qt, kp, mult, s + g);
   }
 }
 
