@@ -1742,6 +1742,27 @@ inline uint64_t block_visibility(const uint32_t* mask_row, int query, int j0, in
   return bits;
 }
 
+// block_visibility of keys [j0, j0 + n) (n <= 32) for each tree node t < nodes of a sequence's
+// mask (null: the causal chain): the streaming and lane paths' tree part, whose rows share their
+// node's mask row across query heads and KV heads, so it is computed once per block.
+inline void node_visibility(const uint32_t* mask_b, int64_t words, int nodes, int j0, int n,
+                            uint32_t* vis) {
+  for (int t = 0; t < nodes; ++t) {
+    const uint32_t* mrow = mask_b ? mask_b + t * words : nullptr;
+    vis[t] = static_cast<uint32_t>(block_visibility(mrow, t, j0, n, true));
+  }
+}
+
+// The lane path's transpose of node_visibility: bit r of lanes[j] set when row r (node r / g,
+// r < rows <= 32) sees key j < n.
+inline void key_lane_masks(const uint32_t* node_vis, int rows, int g, int n, uint32_t* lanes) {
+  for (int j = 0; j < n; ++j) {
+    uint32_t bits = 0;
+    for (int r = 0; r < rows; ++r) bits |= ((node_vis[r / g] >> j) & 1u) << r;
+    lanes[j] = bits;
+  }
+}
+
 struct Shape {
   int64_t t;                // tree nodes T
   int64_t g;                // query heads per KV head
@@ -1885,17 +1906,18 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
       const NextKeys<typename Elem<DT>::T> next{k + (j0 + n) * rs, n_next, rs, hs};
       K::template stream_scores<DT>(ws.q, heads, rows, d, k + j0 * rs, rs, hs, n, next,
                                     a.scale * kLog2e, ws.part, ws.sall);
+      // The tree part: each node's visible keys of the block, the same for every KV head (rows
+      // <= kStreamRows, so nodes <= rows).
+      const int g = static_cast<int>(sh.g);
+      uint32_t node_vis[kStreamKeys];
+      if (tree) {
+        node_visibility(mask_b, sh.words, rows / g, static_cast<int>(j0 - begin), n, node_vis);
+      }
       const uint32_t all = (uint32_t{1} << n) - 1;
       for (int h = 0; h < heads; ++h) {
         float* sh_rows = ws.sall + static_cast<int64_t>(h) * rows * kBlock;
         for (int r = 0; r < rows; ++r) {
-          uint32_t vis = all;
-          if (tree) {
-            const int t = r / static_cast<int>(sh.g);
-            const uint32_t* mrow = mask_b ? mask_b + t * sh.words : nullptr;
-            vis = static_cast<uint32_t>(
-                block_visibility(mrow, t, static_cast<int>(j0 - begin), n, true));
-          }
+          const uint32_t vis = tree ? node_vis[r / g] : all;
           ws.alpha[r] = K::softmax_row16(sh_rows + r * kBlock, vis, &st[h * rows + r]);
         }
         K::template pv_stream<DT>(sh_rows, rows, n, v + j0 * rs + h * hs, rs, d, ws.alpha,
@@ -1942,16 +1964,10 @@ void lane_range_of(const AttentionArgs& a, const Shape& sh, const typename Elem<
     // same for every KV head.
     uint32_t vis[kStreamKeys];
     if (tree) {
-      for (int j = 0; j < n; ++j) {
-        const int key = static_cast<int>(j0 - begin) + j;
-        uint32_t bits = 0;
-        for (int r = 0; r < rows; ++r) {
-          const int t = r / static_cast<int>(sh.g);
-          const uint32_t* mrow = mask_b ? mask_b + t * sh.words : nullptr;
-          if (tree_key_visible(mrow, t, key)) bits |= uint32_t{1} << r;
-        }
-        vis[j] = bits;
-      }
+      const int g = static_cast<int>(sh.g);
+      uint32_t node_vis[kLanes];
+      node_visibility(mask_b, sh.words, rows / g, static_cast<int>(j0 - begin), n, node_vis);
+      key_lane_masks(node_vis, rows, g, n, vis);
     }
     for (int h = 0; h < heads; ++h) {
       // The hinted head's next keys are hinted before this head's scores, its next values during
