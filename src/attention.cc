@@ -3,9 +3,10 @@
 // A work item owns one KV head of one sequence and all T x (Hq / Hkv) query rows that share it,
 // so each prefix key and value is read from memory once per KV head. Keys are streamed in blocks
 // of kBlock positions: the block's keys are converted to fp32 and transposed (so the score tile
-// is a small register-blocked GEMM), its values converted to fp32, and every query row updates
-// its online-softmax state with the shared math of specdecode/attention.h. With few query rows
-// per KV head the prefix and the tree nodes take one of two cheaper paths on AVX2 / AVX-512: up
+// is a small register-blocked GEMM), its values converted to fp32 (bf16 with AVX512_BF16: paired
+// for vdpbf16ps), and every query row updates its online-softmax state with the shared math of
+// specdecode/attention.h. With few query rows per KV head the prefix and the tree nodes take one
+// of two cheaper paths on AVX2 / AVX-512: up
 // to 4 rows the streaming path (stream_range: per-key dot products, the cache read in address
 // order), from 5 to 16 rows on AVX-512 and 5 to 8 on AVX2 the lane path (lane_range: the rows of
 // a KV head in the lanes of one vector).
@@ -165,7 +166,8 @@ SD_FORCE_INLINE void generic_pv(const float* p, int rows, int n, const typename 
 }
 
 struct GenericKernels {
-  static constexpr bool kStream = false;  // no stream_scores: prefix blocks use the tiles
+  static constexpr bool kStream = false;     // no stream_scores: prefix blocks use the tiles
+  static constexpr bool kTilePairs = false;  // the tiles' P V in fp32 (see attend_range)
   static constexpr int kStreamRows = 0;
   static constexpr int kLaneRows = 0;  // no lane path either
   template <AttnDType DT>
@@ -552,6 +554,7 @@ namespace lanes_avx2 {
 
 struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
   static constexpr bool kStream = true;
+  static constexpr bool kTilePairs = false;
   // Up to 4 rows (T = 1 at GQA 4) the streaming path is faster than the AVX2 tiles: from DRAM,
   // alternating processes, T = 1 took 35-60 % less time (fp32 and bf16, B = 1 and 8, S = 4096
   // and 16384). At 4 rows it is also 5-8 % faster than the lane path (one thread, in cache).
@@ -1118,6 +1121,7 @@ namespace lanes_avx512 {
 
 struct Avx512Kernels : lanes_avx512::LaneKernels<Avx512Kernels> {
   static constexpr bool kStream = true;
+  static constexpr bool kTilePairs = false;
   // Up to 4 rows (T = 1 at GQA 4) the prefix takes the streaming path (stream_range), which is
   // bound by the read of the cache there; at 4 rows the lane path was 10-55 % slower.
   static constexpr int kStreamRows = 4;
@@ -1425,15 +1429,17 @@ SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, i
   }
 }
 
-// The P V of the bf16 lane path runs on vdpbf16ps too: the weights are rounded to bf16 (relative
-// error 2^-9 per weight; the sums of the softmax stay fp32) and pairs of keys are multiplied and
-// added at once, at twice the FMA rate. Both operands hold pairs of keys (2m, 2m + 1) as 32-bit
-// words: the weights of a row, broadcast, and the values of 16 columns, staged once per block.
-// The price: 34-38 % of the outputs are one bf16 ulp off the exactly rounded result (torch's bf16
-// SDPA on the CPU: 37-41 %), where every other path is exact in more than 99 % of them. Fp32
-// weights (or a bf16 pair of weight and residual) make this path exact too and cost 12-22 % more
-// time at T = 2 and 4 from DRAM; the streaming path (up to 4 rows) keeps fp32 weights, since its
-// P V on pair words saved 1-6 % from DRAM there (session 27, bench/RESULTS.md).
+// The P V of the bf16 lane path and of the tiles (5 or more rows per KV head) runs on vdpbf16ps
+// too: the weights are rounded to bf16 (relative error 2^-9 per weight; the sums of the softmax
+// stay fp32), as the CUDA kernel's mma and FlashAttention do, and pairs of keys are multiplied
+// and added at once, at twice the FMA rate. Both operands hold pairs of keys (2m, 2m + 1) as
+// 32-bit words: the weights of a row, broadcast, and the values of 16 columns, staged once per
+// block. The price: 34-39 % of the outputs are one bf16 ulp off the exactly rounded result, with
+// a mean error 0.95-0.98x and a largest error at most that of torch's bf16 SDPA on the CPU
+// (36-41 % off), where the fp32 paths are exact in more than 99 % of them. Fp32 weights (or a
+// bf16 pair of weight and residual) cost the lane path 12-22 % more time at T = 2 and 4 from
+// DRAM and the tiles about 1.4x; the streaming path (up to 4 rows) keeps fp32 weights, since its
+// P V on pair words saved 1-6 % from DRAM there (sessions 27 and 29, bench/RESULTS.md).
 
 // As lane_weights, with the weights as bf16 pair words: pw[m * 16 + r] = (P[r][2m], P[r][2m + 1])
 // for the block's 8 key pairs m and the rows r < L::kW (keys >= n weigh 0).
@@ -1482,11 +1488,13 @@ SD_TARGET_AVX512BF16 void lane_stage_v_pairs(const uint16_t* v, int64_t rs, int 
   }
 }
 
-// o[r][c0 .. c0 + 16 CV) = alpha[r] * o + sum_m pw[m][r] . vp[m] for RB rows over `pairs` key
-// pairs, with the hints of pv_tile (n_next rows of next_v, rs apart, the tile's columns).
+// o[r][c0 .. c0 + 16 CV) = alpha[r] * o + sum_m pw[m * ms + r * rstride] . vp[m] for RB rows
+// over `pairs` key pairs, with the hints of pv_tile (n_next rows of next_v, rs apart, the tile's
+// columns). The lane path's weights are key-major (ms = kLanes, rstride = 1), the tiles'
+// row-major (ms = 1, rstride = kBlock / 2).
 template <int RB, int CV>
-SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_tile_pairs(const uint32_t* pw, int pairs,
-                                                        const uint32_t* vp, int d,
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_tile_pairs(const uint32_t* pw, int ms, int rstride,
+                                                        int pairs, const uint32_t* vp, int d,
                                                         const float* alpha, float* o,
                                                         const uint16_t* next_v, int64_t rs,
                                                         int n_next) {
@@ -1500,34 +1508,37 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_tile_pairs(const uint32_t* pw, int 
     for (int j = 2 * m; j < 2 * m + 2 && j < n_next; ++j) {
       hint_next_values(next_v, j, rs, kTileBytes);
     }
-    dp_tile_step<RB, CV>(acc, pw + m * kLanes, 1, vp + m * d);
+    dp_tile_step<RB, CV>(acc, pw + m * ms, rstride, vp + m * d);
   }
   for (int r = 0; r < RB; ++r) {
     for (int c = 0; c < CV; ++c) _mm512_storeu_ps(o + r * d + 16 * c, acc[r][c]);
   }
 }
 
-// pv_tile_pairs for RB rows over the whole head dim, 4 vectors at a time.
+// pv_tile_pairs for RB rows over the whole head dim: 4 vectors at a time, 2 for 8 rows (as
+// pv_rows: 16 accumulators either way).
 template <int RB>
-SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_rows_pairs(const uint32_t* pw, int pairs,
-                                                        const uint32_t* vp, int d,
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_rows_pairs(const uint32_t* pw, int ms, int rstride,
+                                                        int pairs, const uint32_t* vp, int d,
                                                         const float* alpha, float* o,
                                                         const uint16_t* next_v, int64_t rs,
                                                         int n_next) {
+  constexpr int kWide = RB > 4 ? 2 : 4;
   int c = 0;
-  for (; c + 64 <= d; c += 64) {
-    pv_tile_pairs<RB, 4>(pw, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
+  for (; c + 16 * kWide <= d; c += 16 * kWide) {
+    pv_tile_pairs<RB, kWide>(pw, ms, rstride, pairs, vp + c, d, alpha, o + c, next_v + c, rs,
+                             n_next);
   }
-  // Head dims are multiples of 16: fewer than 4 vectors remain.
+  // Head dims are multiples of 16: fewer than kWide vectors remain.
   switch ((d - c) / 16) {
     case 1:
-      pv_tile_pairs<RB, 1>(pw, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
+      pv_tile_pairs<RB, 1>(pw, ms, rstride, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
       break;
     case 2:
-      pv_tile_pairs<RB, 2>(pw, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
+      pv_tile_pairs<RB, 2>(pw, ms, rstride, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
       break;
     case 3:
-      pv_tile_pairs<RB, 3>(pw, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
+      pv_tile_pairs<RB, 3>(pw, ms, rstride, pairs, vp + c, d, alpha, o + c, next_v + c, rs, n_next);
       break;
     default:
       break;
@@ -1535,6 +1546,56 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void pv_rows_pairs(const uint32_t* pw, int 
 }
 
 struct Avx512Bf16Kernels : Avx512Kernels {
+  static constexpr bool kTilePairs = true;
+  // The tiles' values as pair words (lane_stage_v_pairs), staged once per block for all row
+  // tiles; vb holds kBlock * d floats, twice what the pairs take.
+  template <AttnDType DT>
+  SD_TARGET_AVX512BF16 static void stage_tile_v(const uint16_t* v, int64_t rs, int n, int d,
+                                                float* vb) {
+    static_assert(DT == AttnDType::kBFloat16, "bf16 only");
+    lane_stage_v_pairs(v, rs, n, d, reinterpret_cast<uint32_t*>(vb));
+  }
+  // The P V of a row tile (rb <= kRowTile rows of weights p[r * kBlock + j], keys j < n) on the
+  // staged pairs, the weights rounded to bf16 pair words as on the lane path.
+  SD_TARGET_AVX512BF16 static void tile_pv(const float* p, int rb, int n, const float* vb, int d,
+                                           const float* alpha, float* o) {
+    constexpr int kPairs = kBlock / 2;
+    alignas(64) uint32_t pw[kRowTile * kPairs];
+    for (int r = 0; r < rb; ++r) {
+      for (int j = 0; j < kBlock; j += 32) {
+        // vcvtne2ps2bf16 puts its second operand in the low half: keys j .. j + 15 first.
+        const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_load_ps(p + r * kBlock + j + 16),
+                                               _mm512_load_ps(p + r * kBlock + j));
+        _mm512_store_si512(pw + r * kPairs + j / 2, (__m512i)w);
+      }
+    }
+    const uint32_t* vp = reinterpret_cast<const uint32_t*>(vb);
+    const uint16_t* no_hints = reinterpret_cast<const uint16_t*>(vb);
+    const int pairs = (n + 1) / 2;
+    if (rb == kRowTile) {
+      pv_rows_pairs<kRowTile>(pw, 1, kPairs, pairs, vp, d, alpha, o, no_hints, 0, 0);
+      return;
+    }
+    int r = 0;
+    for (; r + 4 <= rb; r += 4) {
+      pv_rows_pairs<4>(pw + r * kPairs, 1, kPairs, pairs, vp, d, alpha + r, o + r * d, no_hints, 0,
+                       0);
+    }
+    const uint32_t* pr = pw + r * kPairs;
+    switch (rb - r) {
+      case 1:
+        pv_rows_pairs<1>(pr, 1, kPairs, pairs, vp, d, alpha + r, o + r * d, no_hints, 0, 0);
+        break;
+      case 2:
+        pv_rows_pairs<2>(pr, 1, kPairs, pairs, vp, d, alpha + r, o + r * d, no_hints, 0, 0);
+        break;
+      case 3:
+        pv_rows_pairs<3>(pr, 1, kPairs, pairs, vp, d, alpha + r, o + r * d, no_hints, 0, 0);
+        break;
+      default:
+        break;
+    }
+  }
   // As Avx512Kernels::stream_scores with raw bf16 query rows; the scale is applied to the sums.
   template <AttnDType DT>
   SD_TARGET_AVX512BF16 static void stream_scores(const float* q, int heads, int rows, int d,
@@ -1577,18 +1638,19 @@ struct Avx512Bf16Kernels : Avx512Kernels {
     const int pairs = (n + 1) / 2;
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-      pv_rows_pairs<4>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_v, rs, r == 0 ? n_next : 0);
+      pv_rows_pairs<4>(pw + r, kLanes, 1, pairs, vp, d, alpha + r, o + r * d, next_v, rs,
+                       r == 0 ? n_next : 0);
     }
     const int hint = r == 0 ? n_next : 0;
     switch (rows - r) {
       case 1:
-        pv_rows_pairs<1>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_v, rs, hint);
+        pv_rows_pairs<1>(pw + r, kLanes, 1, pairs, vp, d, alpha + r, o + r * d, next_v, rs, hint);
         break;
       case 2:
-        pv_rows_pairs<2>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_v, rs, hint);
+        pv_rows_pairs<2>(pw + r, kLanes, 1, pairs, vp, d, alpha + r, o + r * d, next_v, rs, hint);
         break;
       case 3:
-        pv_rows_pairs<3>(pw + r, pairs, vp, d, alpha + r, o + r * d, next_v, rs, hint);
+        pv_rows_pairs<3>(pw + r, kLanes, 1, pairs, vp, d, alpha + r, o + r * d, next_v, rs, hint);
         break;
       default:
         break;
@@ -1818,10 +1880,17 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
       K::template load_kt<DT>(k + j0 * rs + head * hs, rs, n, d, ws.kt);
       // With one row tile (few rows, memory bound) the values are read once, straight from the
       // cache and converted in registers. Many row tiles read them many times, so they are first
-      // staged as contiguous fp32: a head's rows are Hkv * D apart, which maps them onto few L1
-      // sets, and bf16 / fp16 would be converted once per tile.
+      // staged as contiguous fp32 (bf16 with AVX512_BF16: as pair words for vdpbf16ps, see
+      // tile_pv): a head's rows are Hkv * D apart, which maps them onto few L1 sets, and bf16 /
+      // fp16 would be converted once per tile.
       const bool stage_v = rows > kRowTile;
-      if (stage_v) K::template load_rows<DT>(v + j0 * rs + head * hs, rs, n, d, 1.0f, ws.vb);
+      if (stage_v) {
+        if constexpr (K::kTilePairs) {
+          K::template stage_tile_v<DT>(v + j0 * rs + head * hs, rs, n, d, ws.vb);
+        } else {
+          K::template load_rows<DT>(v + j0 * rs + head * hs, rs, n, d, 1.0f, ws.vb);
+        }
+      }
       const int64_t base = head * sh.rows;
       for (int r0 = 0; r0 < rows; r0 += kRowTile) {
         const int rb = std::min(kRowTile, rows - r0);
@@ -1833,8 +1902,12 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
           ws.alpha[i] = K::softmax_row(ws.s + i * kBlock, vis, &st[base + r0 + i]);
         }
         if (stage_v) {
-          K::template pv<AttnDType::kFloat32>(ws.s, rb, n, ws.vb, d, d, ws.alpha,
-                                              o + (base + r0) * sh.d);
+          if constexpr (K::kTilePairs) {
+            K::tile_pv(ws.s, rb, n, ws.vb, d, ws.alpha, o + (base + r0) * sh.d);
+          } else {
+            K::template pv<AttnDType::kFloat32>(ws.s, rb, n, ws.vb, d, d, ws.alpha,
+                                                o + (base + r0) * sh.d);
+          }
         } else {
           K::template pv<DT>(ws.s, rb, n, v + j0 * rs + head * hs, rs, d, ws.alpha,
                              o + (base + r0) * sh.d);

@@ -221,10 +221,12 @@ def tree_attention(
     -------
     out : torch.Tensor
         ``[B, T, Hq, D]`` of the dtype of ``q`` (accumulated in float32). bfloat16 inputs on
-        a CPU with AVX512_BF16 multiply bf16 operands: the scores exactly, and, with 5 to 16
+        a CPU with AVX512_BF16 multiply bf16 operands: the scores exactly, and, with 5 or more
         query rows per KV head (``T * Hq / Hkv``), ``P V`` (prefix and tree) with the softmax
         weights rounded to bfloat16 (relative error 2^-9 per weight, the size of the output's
-        own rounding).
+        own rounding), as the CUDA kernel's tensor-core products, FlashAttention and torch's
+        bf16 SDPA do: about a third of the outputs are then one bf16 ulp off the exactly
+        rounded result, with errors no larger than SDPA's.
     lse : torch.Tensor
         float32 ``[B, T, Hq]``, natural log; only with ``return_lse``. A row that sees no key at
         all (empty prefix and an all-zero mask row, e.g. a padding node) gets ``out = 0`` and
