@@ -1435,7 +1435,7 @@ SD_TARGET_AVX512BF16 void lane_scores_bf16(const float* qt, const uint16_t* k, i
 // and added at once, at twice the FMA rate. Both operands hold pairs of keys (2m, 2m + 1) as
 // 32-bit words: the weights of a row, broadcast, and the values of 16 columns, staged once per
 // block. The price: 34-39 % of the outputs are one bf16 ulp off the exactly rounded result, with
-// a mean error 0.95-0.98x and a largest error at most that of torch's bf16 SDPA on the CPU
+// a mean error 0.95-0.99x and a largest error at most that of torch's bf16 SDPA on the CPU
 // (36-41 % off), where the fp32 paths are exact in more than 99 % of them. Fp32 weights (or a
 // bf16 pair of weight and residual) cost the lane path 12-22 % more time at T = 2 and 4 from
 // DRAM and the tiles about 1.4x; the streaming path (up to 4 rows) keeps fp32 weights, since its
