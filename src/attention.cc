@@ -1293,14 +1293,16 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void dp_tile_step(__m512 (&acc)[RB][CV], co
   }
 }
 
+// s[r][j] = mult * sum_i q[r * q_stride + i] . kt[i][j] for RB rows of `pairs` pair words.
 template <int RB, int CV>
-SD_TARGET_AVX512BF16 SD_FORCE_INLINE void scores_tile_bf16(const uint32_t* q, int pairs,
-                                                           const float* kt, float* s, float mult) {
+SD_TARGET_AVX512BF16 SD_FORCE_INLINE void scores_tile_bf16(const uint32_t* q, int q_stride,
+                                                           int pairs, const float* kt, float* s,
+                                                           float mult) {
   __m512 acc[RB][CV];
   for (int r = 0; r < RB; ++r) {
     for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_setzero_ps();
   }
-  for (int i = 0; i < pairs; ++i) dp_tile_step<RB, CV>(acc, q + i, pairs, kt + i * kBlock);
+  for (int i = 0; i < pairs; ++i) dp_tile_step<RB, CV>(acc, q + i, q_stride, kt + i * kBlock);
   const __m512 m = _mm512_set1_ps(mult);
   for (int r = 0; r < RB; ++r) {
     for (int c = 0; c < CV; ++c)
@@ -1688,29 +1690,26 @@ struct Avx512Bf16Kernels : Avx512Kernels {
   }
   SD_TARGET_AVX512BF16 static void scores(const float* q, int rows, int d, const float* kt,
                                           float* s, float mult) {
-    // Workspace rows keep their fp32 stride d; gather the tile's words (d / 2 per row).
+    // The workspace rows keep their fp32 stride d (d words), their first d / 2 words the pairs.
     const int pairs = d / 2;
-    alignas(64) uint32_t qp[kRowTile * 128];
-    for (int r = 0; r < rows; ++r) {
-      std::memcpy(qp + r * pairs, q + r * d, static_cast<size_t>(pairs) * sizeof(uint32_t));
-    }
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(q);
     if (rows == 8) {
-      scores_tile_bf16<8, 2>(qp, pairs, kt, s, mult);
-      scores_tile_bf16<8, 2>(qp, pairs, kt + 32, s + 32, mult);
+      scores_tile_bf16<8, 2>(qp, d, pairs, kt, s, mult);
+      scores_tile_bf16<8, 2>(qp, d, pairs, kt + 32, s + 32, mult);
       return;
     }
     int r = 0;
     for (; r + 4 <= rows; r += 4)
-      scores_tile_bf16<4, 4>(qp + r * pairs, pairs, kt, s + r * kBlock, mult);
+      scores_tile_bf16<4, 4>(qp + r * d, d, pairs, kt, s + r * kBlock, mult);
     switch (rows - r) {
       case 1:
-        scores_tile_bf16<1, 4>(qp + r * pairs, pairs, kt, s + r * kBlock, mult);
+        scores_tile_bf16<1, 4>(qp + r * d, d, pairs, kt, s + r * kBlock, mult);
         break;
       case 2:
-        scores_tile_bf16<2, 4>(qp + r * pairs, pairs, kt, s + r * kBlock, mult);
+        scores_tile_bf16<2, 4>(qp + r * d, d, pairs, kt, s + r * kBlock, mult);
         break;
       case 3:
-        scores_tile_bf16<3, 4>(qp + r * pairs, pairs, kt, s + r * kBlock, mult);
+        scores_tile_bf16<3, 4>(qp + r * d, d, pairs, kt, s + r * kBlock, mult);
         break;
       default:
         break;
