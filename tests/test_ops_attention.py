@@ -123,6 +123,19 @@ def test_decode_and_short_chains_dtypes(isa, dtype, d, t):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("hq,t", [(4, 9), (6, 7)])
+def test_tiles_every_head_dim(isa, dtype, d, hq, t):
+    # More than 16 query rows per KV head take the tiles on every ISA: 18 rows are row tiles of
+    # 8, 8 and 2, 21 rows 8, 8 and 5 (a tile of 4 and one of 1). The values are staged once per
+    # block (as pair words for bf16 with AVX512_BF16); 517 keys end in a block of 5 (an odd
+    # key count, the last pair half empty), 64 keys are one whole block, 0 none.
+    q, k, v, lens, gen = make_case(3, t, hq, 2, d, [517, 64, 0], dtype, strided=True, seed=d + t)
+    check(q, k, v, lens, None)
+    check(q, k, v, lens, ops.tree_info(random_parents(3, t, gen)).mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
 def test_streaming_prefix_every_head_dim(isa, dtype, d, t):
     # 4 to 16 query rows per KV head: on AVX-512 (up to 16) and AVX2 (up to 8) the prefix is
