@@ -6,10 +6,9 @@
 // is a small register-blocked GEMM), its values converted to fp32 (bf16 with AVX512_BF16: paired
 // for vdpbf16ps), and every query row updates its online-softmax state with the shared math of
 // specdecode/attention.h. With few query rows per KV head the prefix and the tree nodes take one
-// of two cheaper paths on AVX2 / AVX-512: up
-// to 4 rows the streaming path (stream_range: per-key dot products, the cache read in address
-// order), from 5 to 16 rows on AVX-512 and 5 to 8 on AVX2 the lane path (lane_range: the rows of
-// a KV head in the lanes of one vector).
+// of two cheaper paths on AVX2 / AVX-512: up to 4 rows the streaming path (stream_range: per-key
+// dot products, the cache read in address order), from 5 to 16 rows on AVX-512 and 5 to 8 on
+// AVX2 the lane path (lane_range: the rows of a KV head in the lanes of one vector).
 //
 // The prefix [0, prefix_len) is dense and unmasked; the tree [prefix_len, prefix_len + T) uses
 // the bitmask. They accumulate into separate states that are merged with the log-sum-exp rule,
