@@ -341,14 +341,18 @@ __global__ void __launch_bounds__(kWarps* kWarp, kMinBlocks) attend_kernel(Param
 // both ranges is the same log-sum-exp merge, applied key by key). At the end the parts of a row
 // group merge through shared memory with lse_merge_weights, in part order.
 //
-// Per 16-key chunk a warp computes S = Q K^T (16 x 16, D / 16 k-steps of two m16n8k16 products),
-// scales and masks it in the accumulator layout, and multiplies P (rounded to the input type) by
-// V (D / 8 products). The accumulator layout of S's two 8-key halves is exactly the A-fragment
-// layout of P (see mma.cuh), so P never leaves the registers.
+// Per chunk of 8 kHalves keys a warp computes S = Q K^T (16 x 8 kHalves, D / 16 k-steps of
+// kHalves m16n8k16 products), scales and masks it in the accumulator layout, and multiplies P
+// (rounded to the input type) by V (kHalves / 2 x D / 8 products). The accumulator layout of two
+// adjacent 8-key halves of S is exactly the A-fragment layout of P (see mma.cuh), so P never
+// leaves the registers. A chunk is 16 keys (kHalves 2) where a block's warps share a row group
+// and split the tile's chunks among them (few rows: decoding), and 32 keys (kHalves 4) where each
+// warp owns a row group and takes every chunk: then a k-step of Q K^T issues four independent
+// products instead of two, against the chain of dependent ones that stalls a warp (Nsight
+// Compute at T 64, bench/RESULTS.md), and the output is rescaled once per 32 keys.
 
 constexpr int kMmaWarps = 4;
 constexpr int kMmaRows = 16;  // rows of one m16n8k16 product: one row group
-constexpr int kMmaKeys = 16;  // keys of one chunk (the k of the P V product)
 
 // Keys per shared-memory tile: two stages of K and V tiles fit the 99 KiB an sm_86 / sm_89 block
 // may use, for every head dim.
@@ -409,9 +413,9 @@ struct MmaRows {
   const uint32_t* mask[2];  // its mask row (null: causal chain)
 };
 
-// One 16-key chunk (keys kc .. kc + 15 of the tile that starts at key j0) for one warp's 16 rows:
-// S = Q K^T, masking, the online-softmax update of st, and o += P V.
-template <int D, AttnDType DT>
+// One chunk (keys kc .. kc + 8 kHalves - 1 of the tile that starts at key j0) for one warp's 16
+// rows: S = Q K^T, masking, the online-softmax update of st, and o += P V.
+template <int D, AttnDType DT, int kHalves>
 __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks,
                                           const uint16_t* vs, int kc, int64_t j0, int n,
                                           int64_t prefix, float mult, const MmaRows& rows,
@@ -420,37 +424,42 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks
   constexpr int kPitch = mma_pitch<D>();
   const int lane = threadIdx.x % kWarp, t = lane % 4;
 
+  static_assert(kHalves == 2 || kHalves == 4, "a chunk is one or two k-steps of P V");
   // The fragments come from shared memory by ldmatrix.x4, lane l addressing row l % 8 of matrix
   // l / 8. Q: matrices (rows 0-7 | 8-15) x (dims d0 | d0 + 8) in the order of a's registers; K:
-  // (keys kc | kc + 8) x (dims d0 | d0 + 8), each key half's pair a B fragment; V (transposed):
-  // (keys kc | kc + 8) x (dims of n-tiles nd | nd + 1).
+  // (keys kk | kk + 8) x (dims d0 | d0 + 8) for each 16 keys kk of the chunk, each key half's pair
+  // a B fragment; V (transposed): (keys kk | kk + 8) x (dims of n-tiles nd | nd + 1).
   const int lrow = lane % 8 + 8 * (lane / 8 % 2), lcol = 8 * (lane / 16);
   const uint16_t* q_at = qs + lrow * kPitch + lcol;
   const uint16_t* k_at = ks + (kc + lane % 8 + 8 * (lane / 16)) * kPitch + 8 * (lane / 8 % 2);
   const uint16_t* v_at = vs + (kc + lrow) * kPitch + lcol;
 
-  float s[2][4];
+  float s[kHalves][4];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[h][i] = 0.0f;
   }
 #pragma unroll
   for (int d0 = 0; d0 < D; d0 += 16) {
-    uint32_t a[4], kf[4];
+    uint32_t a[4];
     ldmatrix_x4<false>(a, q_at + d0);
-    ldmatrix_x4<false>(kf, k_at + d0);
-    mma_m16n8k16<kBF16>(s[0], a, kf);
-    mma_m16n8k16<kBF16>(s[1], a, kf + 2);
+#pragma unroll
+    for (int h = 0; h < kHalves; h += 2) {
+      uint32_t kf[4];
+      ldmatrix_x4<false>(kf, k_at + 8 * h * kPitch + d0);
+      mma_m16n8k16<kBF16>(s[h], a, kf);
+      mma_m16n8k16<kBF16>(s[h + 1], a, kf + 2);
+    }
   }
 
   // s[h][i] is the score of row lane / 4 + 8 (i / 2) and key kc + 8 h + 2 t + i % 2.
-  float p[2][4];
+  float p[kHalves][4];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int key = kc + 8 * h + 2 * t + c;
@@ -464,13 +473,13 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks
         mx = fmaxf(mx, x);
       }
     }
-    // The row's 16 scores are spread over the four lanes of its group.
+    // The row's scores in the chunk are spread over the four lanes of its group.
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float alpha = softmax_rescale(&st[r], mx);  // st.l is this lane's share of the sum
     const float ref = softmax_reference(st[r].m);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         p[h][2 * r + c] = exp2f(s[h][2 * r + c] - ref);  // 0 for a masked key
@@ -484,18 +493,22 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks
     }
   }
 
-  // P as the A fragment of a 16 x 16 (rows x keys) product.
-  const uint32_t pa[4] = {pack_halves(Elem<DT>::store(p[0][0]), Elem<DT>::store(p[0][1])),
-                          pack_halves(Elem<DT>::store(p[0][2]), Elem<DT>::store(p[0][3])),
-                          pack_halves(Elem<DT>::store(p[1][0]), Elem<DT>::store(p[1][1])),
-                          pack_halves(Elem<DT>::store(p[1][2]), Elem<DT>::store(p[1][3]))};
   static_assert(D % 16 == 0, "V's n-tiles are loaded in pairs");
 #pragma unroll
-  for (int nd = 0; nd < D / 8; nd += 2) {
-    uint32_t vf[4];
-    ldmatrix_x4<true>(vf, v_at + nd * 8);
-    mma_m16n8k16<kBF16>(o[nd], pa, vf);
-    mma_m16n8k16<kBF16>(o[nd + 1], pa, vf + 2);
+  for (int h = 0; h < kHalves; h += 2) {
+    // P's keys kc + 8 h .. kc + 8 h + 15 as the A fragment of a 16 x 16 (rows x keys) product.
+    const uint32_t pa[4] = {
+        pack_halves(Elem<DT>::store(p[h][0]), Elem<DT>::store(p[h][1])),
+        pack_halves(Elem<DT>::store(p[h][2]), Elem<DT>::store(p[h][3])),
+        pack_halves(Elem<DT>::store(p[h + 1][0]), Elem<DT>::store(p[h + 1][1])),
+        pack_halves(Elem<DT>::store(p[h + 1][2]), Elem<DT>::store(p[h + 1][3]))};
+#pragma unroll
+    for (int nd = 0; nd < D / 8; nd += 2) {
+      uint32_t vf[4];
+      ldmatrix_x4<true>(vf, v_at + 8 * h * kPitch + nd * 8);
+      mma_m16n8k16<kBF16>(o[nd], pa, vf);
+      mma_m16n8k16<kBF16>(o[nd + 1], pa, vf + 2);
+    }
   }
 }
 
@@ -519,10 +532,11 @@ __device__ __forceinline__ void mma_store_row(const Params& p, int64_t row, int 
   }
 }
 
-template <int D, AttnDType DT>
+template <int D, AttnDType DT, int kHalves>
 __global__ void __launch_bounds__(kMmaWarps* kWarp) attend_mma_kernel(Params p) {
   constexpr int kKeys = mma_tile_keys<D>(), kPitch = mma_pitch<D>();
-  constexpr int kChunks = kKeys / kMmaKeys, kNT = D / 8;
+  constexpr int kChunkKeys = 8 * kHalves, kChunks = kKeys / kChunkKeys, kNT = D / 8;
+  static_assert(kKeys % kChunkKeys == 0, "a tile holds whole chunks");
   SD_DYNAMIC_SHARED(uint4, smem16);
   uint16_t* stages = reinterpret_cast<uint16_t*>(smem16);
   uint16_t* qs = stages + 2 * mma_stage_elems<D>();
@@ -605,9 +619,9 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp) attend_mma_kernel(Params p) 
     const uint16_t* ks = stages + (it % 2) * mma_stage_elems<D>();
     const uint16_t* vs = ks + kKeys * kPitch;
     const int n = static_cast<int>(min64(kKeys, end - j0));
-    for (int c = part; c < kChunks && c * kMmaKeys < n; c += parts) {  // uniform in the warp
-      mma_chunk<D, DT>(qs + group * kMmaRows * kPitch, ks, vs, c * kMmaKeys, j0, n, prefix, mult,
-                       mine, st, o);
+    for (int c = part; c < kChunks && c * kChunkKeys < n; c += parts) {  // uniform in the warp
+      mma_chunk<D, DT, kHalves>(qs + group * kMmaRows * kPitch, ks, vs, c * kChunkKeys, j0, n,
+                                prefix, mult, mine, st, o);
     }
     __syncthreads();  // tile it is no longer read: its stage may be refilled
   }
@@ -742,14 +756,17 @@ cudaError_t launch_tensor_cores(Params p, cudaStream_t stream) {
   p.row_groups = rows <= kMmaRows ? 1 : rows <= 2 * kMmaRows ? 2 : kMmaWarps;
   const int64_t block_rows = static_cast<int64_t>(p.row_groups) * kMmaRows;
   p.row_tiles = static_cast<int>((rows + block_rows - 1) / block_rows);
+  // Each warp owns a row group (every chunk is its own): 32-key chunks. Else 16, so that the
+  // tile's chunks go round all the warps.
+  const bool wide = p.row_groups == kMmaWarps;
+  const auto kernel = wide ? attend_mma_kernel<D, DT, 4> : attend_mma_kernel<D, DT, 2>;
   const size_t smem = mma_smem_bytes<D>(p.row_groups);
-  cudaError_t err =
-      cudaFuncSetAttribute(attend_mma_kernel<D, DT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.row_tiles * p.splits), static_cast<unsigned>(a.kv_heads),
                   static_cast<unsigned>(a.batch));
-  SD_LAUNCH(grid, kMmaWarps * kWarp, smem, stream, attend_mma_kernel<D, DT>)(p);
+  SD_LAUNCH(grid, kMmaWarps * kWarp, smem, stream, kernel)(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   return launch_merge<D, DT>(p, stream);
