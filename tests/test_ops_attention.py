@@ -10,6 +10,7 @@ from conftest import requires_cuda
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_attention import compact_kv_ref, dense_tree_mask, tree_attention_ref
+from specdecode._ops import attention as attention_module
 
 import specdecode
 from specdecode import _C, ops
@@ -928,3 +929,37 @@ def test_cuda_compact_kv_and_errors():
     q = torch.randn(2, 8, 8, 64, dtype=torch.bfloat16).cuda()
     with pytest.raises(ValueError, match="prefix"):
         ops.tree_attention(q, kc, vc, torch.tensor([100, 0], dtype=torch.int32).cuda())
+
+
+@pytest.mark.parametrize(
+    "batch,rows,cache_len,float32,splits",
+    [
+        # one block of rows per KV head (T 1, 4 at GQA 4): about one block per SM
+        (1, 4, 16385, False, 16),  # 132 / 8 blocks; two per SM (33) was 17 % slower
+        (1, 4, 4097, True, 16),
+        (8, 4, 4097, False, 2),  # 132 / 64; four was 3-5 % slower
+        (8, 16, 513, True, 2),  # three was 41 % slower
+        (32, 4, 4097, False, 1),  # the batch fills the GPU
+        # several blocks of rows (T 64: 256 rows): about two per SM
+        (1, 256, 4160, False, 8),  # 4 row blocks; one per SM (4) was 24 % slower
+        (1, 256, 4160, True, 4),  # 8 row blocks of 32
+        (8, 256, 4160, False, 1),
+        # the shortest split: 256 keys (fp16 / bf16), 64 (fp32)
+        (1, 4, 513, False, 3),
+        (1, 4, 513, True, 9),
+        (1, 1, 40, True, 1),
+    ],
+)
+def test_split_count_of_the_cuda_kernel(batch, rows, cache_len, float32, splits):
+    """The KV split count on an H100's 132 SMs with 8 KV heads: the picks that the H100 sweeps
+    (bench/RESULTS.md) put at or within 3 % of the fastest count."""
+    got = attention_module.split_count(batch, 8, rows, cache_len, float32, 132)
+    assert got == splits
+    # at most 64 splits, at least one
+    assert attention_module.split_count(1, 1, 1, 1 << 20, False, 132) == 64
+    assert attention_module.split_count(64, 8, 256, 1 << 20, True, 132) == 1
+
+
+def test_num_splits_is_one_off_the_gpu():
+    q = torch.zeros(1, 1, 32, 128)
+    assert attention_module._num_splits(q, torch.zeros(1, 1 << 16, 8, 128)) == 1

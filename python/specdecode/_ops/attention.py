@@ -59,22 +59,60 @@ def _default_scale(scale: Optional[float], head_dim: int) -> float:
     return float(scale)
 
 
+def split_count(
+    batch: int, kv_heads: int, rows: int, cache_len: int, float32: bool, sms: int
+) -> int:
+    """KV splits of the CUDA kernel for one launch.
+
+    Parameters
+    ----------
+    batch, kv_heads : int
+        B and Hkv of the launch.
+    rows : int
+        T x (Hq / Hkv): the query rows that share one KV head.
+    cache_len : int
+        S, the cache's length (the prefix is at most ``S - T`` of it).
+    float32 : bool
+        The CUDA-core kernel (fp32: 32 rows per thread block, 32-key tiles) rather than the
+        tensor-core one (fp16 / bf16: up to 64 rows per block, 64-key tiles).
+    sms : int
+        The device's streaming multiprocessors.
+
+    Returns
+    -------
+    int
+        Splits in [1, 64]: about one thread block per SM where a KV head's rows fit one block,
+        about two where they take several, and no split shorter than two of the kernel's tiles
+        (64 keys, fp32) or 256 keys (fp16 / bf16).
+    """
+    per_block = 64 if not float32 and rows > 32 else 32
+    row_blocks = max(1, -(-rows // per_block))
+    blocks = batch * kv_heads * row_blocks
+    # H100 sweeps of every count (bench/RESULTS.md, sessions 22 and 30): two blocks per SM for
+    # one-block rows were 2-5 % slower at B 8 and 12-17 % at B 1 S 16384 than one; one per SM
+    # for several-block rows (T 64) 24-44 % slower than two.
+    per_sm = 1 if row_blocks == 1 else 2
+    # The ratio rounded: rounding up took two splits where the batch alone nearly fills the GPU,
+    # 10-50 % slower than one (H200 sweep, bench/RESULTS.md).
+    want = max(1, round(per_sm * sms / max(blocks, 1)))
+    min_keys = 64 if float32 else 256
+    return int(max(1, min(want, -(-cache_len // min_keys), 64)))
+
+
 def _num_splits(q: torch.Tensor, k_cache: torch.Tensor) -> int:
-    """KV splits of the CUDA kernel: enough blocks to fill the GPU, each split >= 256 keys."""
+    """KV splits of the CUDA kernel for these tensors (1 on the CPU): see split_count."""
     if q.device.type != "cuda":
         return 1
     batch, t, hq, _ = q.shape
-    group = hq // max(k_cache.shape[2], 1)
-    # Query rows per thread block: 32 on the CUDA cores; the tensor-core kernel (fp16 / bf16)
-    # takes up to 64, in groups of 16.
-    rows = t * group
-    per_block = 64 if q.dtype != torch.float32 and rows > 32 else 32
-    blocks = batch * k_cache.shape[2] * max(1, -(-rows // per_block))
-    sms = multiprocessors(q.device)
-    # About two blocks per SM, the ratio rounded: rounding up took two splits where the batch
-    # alone nearly fills the GPU, 10-50 % slower than one (H200 sweep, bench/RESULTS.md).
-    want = max(1, round(2 * sms / max(blocks, 1)))
-    return int(max(1, min(want, -(-k_cache.shape[1] // 256), 64)))
+    kv_heads = max(k_cache.shape[2], 1)
+    return split_count(
+        batch,
+        kv_heads,
+        t * (hq // kv_heads),
+        k_cache.shape[1],
+        q.dtype == torch.float32,
+        multiprocessors(q.device),
+    )
 
 
 def _tree_attention_impl(
