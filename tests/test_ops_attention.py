@@ -934,13 +934,14 @@ def test_cuda_compact_kv_and_errors():
 @pytest.mark.parametrize(
     "batch,rows,cache_len,float32,splits",
     [
-        # one block of rows per KV head (T 1, 4 at GQA 4): about one block per SM
+        # at most 32 rows per KV head (T 1, 4 at GQA 4): about one block per SM
         (1, 4, 16385, False, 16),  # 132 / 8 blocks; two per SM (33) was 17 % slower
         (1, 4, 4097, True, 16),
         (8, 4, 4097, False, 2),  # 132 / 64; four was 3-5 % slower
         (8, 16, 513, True, 2),  # three was 41 % slower
         (32, 4, 4097, False, 1),  # the batch fills the GPU
-        # several blocks of rows (T 64: 256 rows): about two per SM
+        # more than 32 rows: about two per SM
+        (8, 64, 4113, False, 4),  # T 16: one block of 64 rows; two splits (one per SM) 29 % slower
         (1, 256, 4160, False, 8),  # 4 row blocks; one per SM (4) was 24 % slower
         (1, 256, 4160, True, 4),  # 8 row blocks of 32
         (8, 256, 4160, False, 1),

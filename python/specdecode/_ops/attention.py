@@ -81,17 +81,18 @@ def split_count(
     Returns
     -------
     int
-        Splits in [1, 64]: about one thread block per SM where a KV head's rows fit one block,
-        about two where they take several, and no split shorter than two of the kernel's tiles
-        (64 keys, fp32) or 256 keys (fp16 / bf16).
+        Splits in [1, 64]: about one thread block per SM where a KV head has at most 32 rows
+        (one block, whose warps share the keys of each tile), about two where it has more, and
+        no split shorter than two of the kernel's tiles (64 keys, fp32) or 256 keys (fp16 /
+        bf16).
     """
     per_block = 64 if not float32 and rows > 32 else 32
-    row_blocks = max(1, -(-rows // per_block))
-    blocks = batch * kv_heads * row_blocks
-    # H100 sweeps of every count (bench/RESULTS.md, sessions 22 and 30): two blocks per SM for
-    # one-block rows were 2-5 % slower at B 8 and 12-17 % at B 1 S 16384 than one; one per SM
-    # for several-block rows (T 64) 24-44 % slower than two.
-    per_sm = 1 if row_blocks == 1 else 2
+    blocks = batch * kv_heads * max(1, -(-rows // per_block))
+    # H100 (bench/RESULTS.md, sessions 22 and 30): with at most 32 rows, two blocks per SM were
+    # 2-5 % slower at B 8 and 12-17 % at B 1 S 16384 than one. With more (each of a block's
+    # warps then runs every key of its tile), one per SM was 24-44 % slower at T 64 and 29 %
+    # at bf16 B 8 S 4096 T 16 (one block of 64 rows).
+    per_sm = 1 if rows <= 32 else 2
     # The ratio rounded: rounding up took two splits where the batch alone nearly fills the GPU,
     # 10-50 % slower than one (H200 sweep, bench/RESULTS.md).
     want = max(1, round(per_sm * sms / max(blocks, 1)))
