@@ -90,7 +90,7 @@ def split_count(
     blocks = batch * kv_heads * max(1, -(-rows // per_block))
     # H100 (bench/RESULTS.md, sessions 22 and 30): with at most 32 rows, two blocks per SM were
     # 2-5 % slower at B 8 and 12-17 % at B 1 S 16384 than one. With more (each of a block's
-    # warps then runs every key of its tile), one per SM was 24-44 % slower at T 64 and 29 %
+    # warps then runs every key of its tile), one per SM was 19-44 % slower at T 64 and 29 %
     # at bf16 B 8 S 4096 T 16 (one block of 64 rows).
     per_sm = 1 if rows <= 32 else 2
     # The ratio rounded: rounding up took two splits where the batch alone nearly fills the GPU,
