@@ -169,7 +169,7 @@ def split_sweep(
     print("\n".join(lines), flush=True)
     for b in (1, 8, 32):
         for s in (512, 4096, 16384):
-            for t in (1, 4, 64):
+            for t in (1, 4, 16, 64):
                 for dtype in dtypes:
                     if b * s > 8 * 16384:
                         continue

@@ -1980,7 +1980,7 @@ void stream_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
       // The tree part: each node's visible keys of the block, the same for every KV head (rows
       // <= kStreamRows, so nodes <= rows).
       const int g = static_cast<int>(sh.g);
-      uint32_t node_vis[kStreamKeys];
+      uint32_t node_vis[K::kStreamRows];
       if (tree) {
         node_visibility(mask_b, sh.words, rows / g, static_cast<int>(j0 - begin), n, node_vis);
       }
