@@ -74,7 +74,7 @@ def split_count(
         S, the cache's length (the prefix is at most ``S - T`` of it).
     float32 : bool
         The CUDA-core kernel (fp32: 32 rows per thread block, 32-key tiles) rather than the
-        tensor-core one (fp16 / bf16: up to 64 rows per block, 64-key tiles).
+        tensor-core one (fp16 / bf16: up to 64 rows per block, 64-key tiles, 32 at D 256).
     sms : int
         The device's streaming multiprocessors.
 
@@ -83,8 +83,8 @@ def split_count(
     int
         Splits in [1, 64]: about one thread block per SM where a KV head has at most 32 rows
         (one block, whose warps share the keys of each tile), about two where it has more, and
-        no split shorter than two of the kernel's tiles (64 keys, fp32) or 256 keys (fp16 /
-        bf16).
+        at most ``ceil(S / 64)`` (fp32: two of its kernel's 32-key tiles per split) or
+        ``ceil(S / 256)`` (fp16 / bf16).
     """
     per_block = 64 if not float32 and rows > 32 else 32
     blocks = batch * kv_heads * max(1, -(-rows // per_block))
