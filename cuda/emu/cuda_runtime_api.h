@@ -58,8 +58,10 @@ enum cudaError_t {
 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
   cudaDevAttrComputeCapabilityMajor = 75,
   cudaDevAttrComputeCapabilityMinor = 76,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
 };
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
@@ -119,6 +121,13 @@ void set_schedule(Schedule schedule, uint64_t seed);
 void set_compute_capability(int major, int minor);
 int compute_capability_major();
 int compute_capability_minor();
+// The dynamic shared memory a block may opt into on a real device of that capability (227 KiB
+// on sm_90 and sm_100, 163 KiB on sm_80 / sm_87, 99 KiB on sm_86 / sm_89 / sm_120, 64 KiB on
+// sm_75): cudaFuncSetAttribute refuses more, as the driver would.
+int max_shared_optin();
+// The SMs the emulated device reports: few, so that small test grids cover launch choices that
+// depend on filling the device.
+constexpr int kMultiProcessors = 4;
 
 // Counters since the last reset, for tests that a path really ran through the emulator.
 struct Stats {
@@ -208,6 +217,15 @@ T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
       shuffle(mask, to_bits(v), ShuffleKind::kDown, static_cast<int>(delta), width));
 }
 
+// A vote of the lanes in mask: nonzero in every one of them if pred is nonzero in any. Built
+// from xor shuffles (the same exchange as the hardware's vote), so mask must be a whole warp or
+// an aligned power-of-two group of lanes, as the shuffle checks require.
+inline int __any_sync(unsigned mask, int pred) {
+  int vote = pred != 0 ? 1 : 0;
+  for (int o = 16; o > 0; o /= 2) vote |= __shfl_xor_sync(mask, vote, o);
+  return vote;
+}
+
 // One emulated thread runs at a time, so a read-modify-write is atomic.
 template <class T>
 T atomicAdd(T* address, T value) {
@@ -232,6 +250,12 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, 
       return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor:
       *value = ::sd::emu::compute_capability_minor();
+      return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin:
+      *value = ::sd::emu::max_shared_optin();
+      return cudaSuccess;
+    case cudaDevAttrMultiProcessorCount:
+      *value = ::sd::emu::kMultiProcessors;
       return cudaSuccess;
   }
   return cudaErrorInvalidValue;

@@ -555,10 +555,11 @@ cudaError_t run_grid(const void* kernel, dim3 grid, dim3 block, size_t smem,
 }
 
 cudaError_t set_max_dynamic_shared(const void* kernel, int bytes) {
-  if (bytes < 0 || bytes > kMaxShared) {
+  const int limit = max_shared_optin();
+  if (bytes < 0 || bytes > limit) {
     // The caller gets the code itself (not through cudaGetLastError): the message is reported.
     t_reported = "cudaFuncSetAttribute: " + std::to_string(bytes) +
-                 " bytes of dynamic shared memory is over " + std::to_string(kMaxShared);
+                 " bytes of dynamic shared memory is over " + std::to_string(limit);
     return cudaErrorInvalidValue;
   }
   Emulator& e = the_emulator();
@@ -594,6 +595,16 @@ void set_compute_capability(int major, int minor) {
 // Read by launchers inside run_grid's callers, never while a launch holds the mutex.
 int compute_capability_major() { return the_emulator().cc_major; }
 int compute_capability_minor() { return the_emulator().cc_minor; }
+
+int max_shared_optin() {
+  const Emulator& e = the_emulator();
+  const int cc = e.cc_major * 10 + e.cc_minor;
+  if (cc == 90 || cc == 100) return kMaxShared;
+  if (cc == 80 || cc == 87) return 163 * 1024;
+  if (cc >= 80) return 99 * 1024;  // sm_86, sm_89, sm_120
+  if (cc == 70 || cc == 72) return 96 * 1024;
+  return 64 * 1024;
+}
 
 Stats stats() {
   Emulator& e = the_emulator();
