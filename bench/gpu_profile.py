@@ -159,6 +159,8 @@ def split_sweep(
     repeats: int,
     counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
+    batches: tuple[int, ...] = (1, 8, 32),
+    trees: tuple[int, ...] = (1, 4, 16, 64),
 ) -> list[str]:
     """Kernel ms of tree_attention per KV split count (the heuristic's pick marked *)."""
     heuristic = attention_module._num_splits
@@ -167,9 +169,9 @@ def split_sweep(
         "|---|---|" + "---|" * len(counts),
     ]
     print("\n".join(lines), flush=True)
-    for b in (1, 8, 32):
+    for b in batches:
         for s in (512, 4096, 16384):
-            for t in (1, 4, 16, 64):
+            for t in trees:
                 for dtype in dtypes:
                     if b * s > 8 * 16384:
                         continue
@@ -213,6 +215,12 @@ def main() -> None:
         default="bfloat16,float32",
         help="with --attention-splits: the dtypes, comma-separated torch names",
     )
+    ap.add_argument(
+        "--batches", default="1,8,32", help="with --attention-splits: B, comma-separated"
+    )
+    ap.add_argument(
+        "--trees", default="1,4,16,64", help="with --attention-splits: T, comma-separated"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile.py needs a GPU")
@@ -220,7 +228,9 @@ def main() -> None:
         lines = [f"# {torch.cuda.get_device_name(0)}: tree_attention kernel ms by KV splits", ""]
         counts = tuple(int(n) for n in args.split_counts.split(","))
         dtypes = tuple(getattr(torch, name) for name in args.dtypes.split(","))
-        lines += split_sweep(args.repeats, counts, dtypes)
+        batches = tuple(int(n) for n in args.batches.split(","))
+        trees = tuple(int(n) for n in args.trees.split(","))
+        lines += split_sweep(args.repeats, counts, dtypes, batches, trees)
         if args.out:
             with open(args.out, "w") as f:
                 f.write("\n".join(lines) + "\n")
