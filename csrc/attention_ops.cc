@@ -216,6 +216,29 @@ void register_attention_ops(py::module_& m) {
   m.def("compact_kv", &compact_kv, py::arg("k_cache"), py::arg("v_cache"), py::arg("prefix_lens"),
         py::arg("path"), py::arg("num_accepted"), py::arg("new_lens"), py::arg("status"),
         py::arg("stream") = 0, "Moves the accepted path's K/V rows in place; fills new_lens.");
+#ifdef SPECDECODE_WITH_CUDA
+  m.def(
+      "tree_attention_block_rows",
+      [](int64_t batch, int64_t kv_heads, int64_t rows, int head_dim, bool float32, int device) {
+        const auto at_least_one = [](int64_t value, const char* name) {
+          if (value < 1) {
+            throw_value_error(std::string(name) + ": expected at least 1, got " +
+                              std::to_string(value));
+          }
+        };
+        at_least_one(batch, "batch");
+        at_least_one(kv_heads, "kv_heads");
+        at_least_one(rows, "rows");
+        at_least_one(head_dim, "head_dim");
+        return cuda::tree_attention_block_rows(batch, kv_heads, rows, head_dim,
+                                               float32 ? AttnDType::kFloat32 : AttnDType::kBFloat16,
+                                               device);
+      },
+      py::arg("batch"), py::arg("kv_heads"), py::arg("rows"), py::arg("head_dim"),
+      py::arg("float32"), py::arg("device"),
+      "Query rows per thread block of the CUDA tree_attention on a device for a launch of B "
+      "sequences, Hkv KV heads and `rows` rows per KV head (the unit of its split count).");
+#endif
   m.def("attention_isa", &cpu::attention_isa, "The CPU code path of tree_attention.");
   m.def(
       "set_attention_isa",

@@ -77,6 +77,18 @@ __device__ __forceinline__ uint4 load_chunk(const void* p) {
 #endif
 }
 
+// An attribute of a device (-1: the current one); 0 if the runtime cannot say. Attributes only:
+// no synchronisation.
+int device_attribute(cudaDeviceAttr attr, int device) {
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) return 0;
+  int value = 0;
+  return cudaDeviceGetAttribute(&value, attr, device) == cudaSuccess ? value : 0;
+}
+// mma.sync with bf16 / fp16 inputs and cp.async: sm_80 and newer.
+bool has_tensor_core_mma(int device) {
+  return device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 8;
+}
+
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -92,7 +104,7 @@ struct Params {
   AttentionArgs a;
   int splits;
   int row_tiles;
-  int row_groups;  // attend_mma_kernel: 16-row groups of query rows per block (1, 2 or 4)
+  int row_groups;  // attend_mma_kernel: 16-row groups of query rows per block (1, 2, 4 or 8)
   int words;
   bool vec_kv;  // K and V rows start on 16-byte boundaries: tiles move in 16-byte chunks
   float* part_o;
@@ -332,14 +344,17 @@ __global__ void __launch_bounds__(kWarps* kWarp, kMinBlocks) attend_kernel(Param
 
 // ---- tensor-core path (fp16 / bf16, sm_80+) ---------------------------------------------------
 //
-// A block has kMmaWarps warps and owns up to kMmaWarps groups of 16 query rows of one KV head
-// (p.row_groups of them; the block's rows are row_groups * 16). Warp w serves row group
-// w % row_groups and, of every tile of keys, the 16-key chunks c with c % parts == w / row_groups
-// (parts = kMmaWarps / row_groups): a decoding step's few rows keep all four warps busy on
-// different keys. Each warp keeps one online-softmax state per row across its keys; prefix keys
-// are all visible, keys at prefix + j are tree node j and follow the mask (one running state over
-// both ranges is the same log-sum-exp merge, applied key by key). At the end the parts of a row
-// group merge through shared memory with lse_merge_weights, in part order.
+// A block has kMmaWarps warps and owns p.row_groups groups of 16 query rows of one KV head (1,
+// 2, 4 or 8; see mma_row_groups). With up to four, warp w serves row group w % row_groups and,
+// of every tile of keys, the chunks c with c % parts == w / row_groups (parts = kMmaWarps /
+// row_groups): a decoding step's few rows keep all four warps busy on different keys. With
+// eight, each warp serves two row groups (kGroups 2) and every chunk. Each warp keeps one
+// online-softmax state per row across its keys; prefix keys are all visible, keys at prefix + j
+// are tree node j and follow the mask (one running state over both ranges is the same
+// log-sum-exp merge, applied key by key). A tile of prefix keys alone skips the mask test
+// (kMasked false): on an H100 that test and the rescale of the output, not the products, held
+// the T 64 kernel (bench/RESULTS.md, session 31). At the end the parts of a row group merge
+// through shared memory with lse_merge_weights, in part order.
 //
 // Per chunk of 8 kHalves keys a warp computes S = Q K^T (16 x 8 kHalves, D / 16 k-steps of
 // kHalves m16n8k16 products), scales and masks it in the accumulator layout, and multiplies P
@@ -356,31 +371,47 @@ constexpr int kMmaRows = 16;  // rows of one m16n8k16 product: one row group
 
 // Keys per shared-memory tile: two stages of K and V tiles fit the 99 KiB an sm_86 / sm_89 block
 // may use, for every head dim.
-template <int D>
-constexpr int mma_tile_keys() {
-  return D > 128 ? 32 : 64;
-}
+constexpr int mma_tile_keys(int d) { return d > 128 ? 32 : 64; }
 // 16-bit elements between two rows of a shared tile: 16 bytes of padding put the eight rows a
 // fragment load touches on different banks.
-template <int D>
-constexpr int mma_pitch() {
-  return D + 8;
-}
-template <int D>
-constexpr int mma_stage_elems() {
-  return 2 * mma_tile_keys<D>() * mma_pitch<D>();  // K tile, then V tile
+constexpr int mma_pitch(int d) { return d + 8; }
+constexpr int mma_stage_elems(int d) {
+  return 2 * mma_tile_keys(d) * mma_pitch(d);  // K tile, then V tile
 }
 // The parts' finished partials, written over the stages once the keys are done.
-template <int D>
-constexpr int mma_merge_bytes() {
-  return kMmaWarps * kMmaRows * (D + 1) * static_cast<int>(sizeof(float));
+constexpr int mma_merge_bytes(int d) {
+  return kMmaWarps * kMmaRows * (d + 1) * static_cast<int>(sizeof(float));
 }
-template <int D>
-size_t mma_smem_bytes(int row_groups) {
-  static_assert(mma_merge_bytes<D>() <= 2 * mma_stage_elems<D>() * 2, "merge area fits the stages");
-  return (2 * static_cast<size_t>(mma_stage_elems<D>()) +
-          static_cast<size_t>(row_groups) * kMmaRows * mma_pitch<D>()) *
+constexpr size_t mma_smem_bytes(int d, int row_groups) {
+  return (2 * static_cast<size_t>(mma_stage_elems(d)) +
+          static_cast<size_t>(row_groups) * kMmaRows * mma_pitch(d)) *
          sizeof(uint16_t);
+}
+static_assert(mma_merge_bytes(256) <= 2 * mma_stage_elems(256) * 2 &&
+                  mma_merge_bytes(128) <= 2 * mma_stage_elems(128) * 2,
+              "the merge area fits the stages");
+// Two row groups per warp: the accumulators of 32 rows fit the registers up to D 128.
+constexpr bool mma_two_groups_fit(int d) { return d <= 128; }
+
+// Row groups per block of attend_mma_kernel for `rows` query rows per KV head and `heads` KV
+// heads in all (B x Hkv). Up to one per warp. More rows than that take two per warp (128-row
+// blocks: each K and V fragment serves both groups) where the head dim allows, the block's
+// shared memory fits the device (227 KiB on sm_90, 163 on sm_80; not the 99 KiB of sm_86 /
+// sm_89 at D 128), and the 64-row blocks would fill every SM's two slots at least twice: on an
+// H100 (bench/RESULTS.md, session 31) 128-row blocks took 7-13 % less time at B 32 T 64, where
+// the 64-row grid is 7.8 times the SMs, but 8-48 % more at B 1-8 S 512-4096 (0.2-1.9 times,
+// 10 % less at B 8 S 16384), where halving the blocks leaves SMs idle.
+int mma_row_groups(int64_t heads, int64_t rows, int head_dim, int device) {
+  if (rows <= kMmaRows) return 1;
+  if (rows <= 2 * kMmaRows) return 2;
+  const int64_t blocks = heads * ((rows + kMmaWarps * kMmaRows - 1) / (kMmaWarps * kMmaRows));
+  const bool two =
+      mma_two_groups_fit(head_dim) && rows > kMmaWarps * kMmaRows &&
+      blocks >=
+          4 * static_cast<int64_t>(device_attribute(cudaDevAttrMultiProcessorCount, device)) &&
+      mma_smem_bytes(head_dim, 2 * kMmaWarps) <=
+          static_cast<size_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return two ? 2 * kMmaWarps : kMmaWarps;
 }
 
 // Starts the copies of keys [j0, j0 + n) of K and V into one stage; rows n .. kKeys - 1 are
@@ -388,7 +419,7 @@ size_t mma_smem_bytes(int row_groups) {
 template <int D>
 __device__ __forceinline__ void mma_load_tile(const uint16_t* k, const uint16_t* v, int64_t rs,
                                               int64_t j0, int n, uint16_t* stage) {
-  constexpr int kKeys = mma_tile_keys<D>(), kPitch = mma_pitch<D>();
+  constexpr int kKeys = mma_tile_keys(D), kPitch = mma_pitch(D);
   constexpr int kChunksPerRow = D / 8;
   uint16_t* ks = stage;
   uint16_t* vs = stage + kKeys * kPitch;
@@ -413,18 +444,22 @@ struct MmaRows {
   const uint32_t* mask[2];  // its mask row (null: causal chain)
 };
 
-// One chunk (keys kc .. kc + 8 kHalves - 1 of the tile that starts at key j0) for one warp's 16
-// rows: S = Q K^T, masking, the online-softmax update of st, and o += P V.
-template <int D, AttnDType DT, int kHalves>
+// One chunk (keys kc .. kc + 8 kHalves - 1 of the tile that starts at key j0) for one warp's
+// kGroups row groups (16 kGroups rows, the groups' Q one after the other at qs): S = Q K^T,
+// masking, the online-softmax update of st, and o += P V. A warp of two row groups loads each K
+// and V fragment once for both: half the shared-memory reads per product, and twice the
+// independent products between one load and the next.
+template <int D, AttnDType DT, int kHalves, int kGroups, bool kMasked>
 __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks,
                                           const uint16_t* vs, int kc, int64_t j0, int n,
-                                          int64_t prefix, float mult, const MmaRows& rows,
-                                          SoftmaxState st[2], float (*o)[4]) {
+                                          int64_t prefix, float mult, const MmaRows* rows,
+                                          SoftmaxState (*st)[2], float (*o)[D / 8][4]) {
   constexpr bool kBF16 = DT == AttnDType::kBFloat16;
-  constexpr int kPitch = mma_pitch<D>();
+  constexpr int kPitch = mma_pitch(D);
   const int lane = threadIdx.x % kWarp, t = lane % 4;
 
   static_assert(kHalves == 2 || kHalves == 4, "a chunk is one or two k-steps of P V");
+  static_assert(kGroups == 1 || kGroups == 2, "a warp serves one or two row groups");
   // The fragments come from shared memory by ldmatrix.x4, lane l addressing row l % 8 of matrix
   // l / 8. Q: matrices (rows 0-7 | 8-15) x (dims d0 | d0 + 8) in the order of a's registers; K:
   // (keys kk | kk + 8) x (dims d0 | d0 + 8) for each 16 keys kk of the chunk, each key half's pair
@@ -434,62 +469,91 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks
   const uint16_t* k_at = ks + (kc + lane % 8 + 8 * (lane / 16)) * kPitch + 8 * (lane / 8 % 2);
   const uint16_t* v_at = vs + (kc + lrow) * kPitch + lcol;
 
-  float s[kHalves][4];
+  float s[kGroups][kHalves][4];
 #pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
+  for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s[h][i] = 0.0f;
+    for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[gi][h][i] = 0.0f;
+    }
   }
 #pragma unroll
   for (int d0 = 0; d0 < D; d0 += 16) {
-    uint32_t a[4];
-    ldmatrix_x4<false>(a, q_at + d0);
+    uint32_t a[kGroups][4];
+#pragma unroll
+    for (int gi = 0; gi < kGroups; ++gi) {
+      ldmatrix_x4<false>(a[gi], q_at + gi * kMmaRows * kPitch + d0);
+    }
 #pragma unroll
     for (int h = 0; h < kHalves; h += 2) {
       uint32_t kf[4];
       ldmatrix_x4<false>(kf, k_at + 8 * h * kPitch + d0);
-      mma_m16n8k16<kBF16>(s[h], a, kf);
-      mma_m16n8k16<kBF16>(s[h + 1], a, kf + 2);
+#pragma unroll
+      for (int gi = 0; gi < kGroups; ++gi) {
+        mma_m16n8k16<kBF16>(s[gi][h], a[gi], kf);
+        mma_m16n8k16<kBF16>(s[gi][h + 1], a[gi], kf + 2);
+      }
     }
   }
 
-  // s[h][i] is the score of row lane / 4 + 8 (i / 2) and key kc + 8 h + 2 t + i % 2.
-  float p[kHalves][4];
+  // s[gi][h][i] is the score of row lane / 4 + 8 (i / 2) of group gi and key
+  // kc + 8 h + 2 t + i % 2.
+  float p[kGroups][kHalves][4];
+  float alpha[kGroups][2];
+  bool rescale = false;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
+  for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int key = kc + 8 * h + 2 * t + c;
-        const int64_t pos = j0 + key;
-        bool visible = rows.valid[r] && key < n;
-        if (visible && pos >= prefix) {
-          visible = tree_key_visible(rows.mask[r], rows.node[r], static_cast<int>(pos - prefix));
+      for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          bool visible = true;
+          if constexpr (kMasked) {
+            const int key = kc + 8 * h + 2 * t + c;
+            const int64_t pos = j0 + key;
+            visible = rows[gi].valid[r] && key < n;
+            if (visible && pos >= prefix) {
+              visible = tree_key_visible(rows[gi].mask[r], rows[gi].node[r],
+                                         static_cast<int>(pos - prefix));
+            }
+          }
+          const float x = visible ? s[gi][h][2 * r + c] * mult : -INFINITY;
+          s[gi][h][2 * r + c] = x;
+          mx = fmaxf(mx, x);
         }
-        const float x = visible ? s[h][2 * r + c] * mult : -INFINITY;
-        s[h][2 * r + c] = x;
-        mx = fmaxf(mx, x);
       }
-    }
-    // The row's scores in the chunk are spread over the four lanes of its group.
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float alpha = softmax_rescale(&st[r], mx);  // st.l is this lane's share of the sum
-    const float ref = softmax_reference(st[r].m);
+      // The row's scores in the chunk are spread over the four lanes of its group.
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      alpha[gi][r] = softmax_rescale(&st[gi][r], mx);  // st.l: this lane's share of the sum
+      const float ref = softmax_reference(st[gi][r].m);
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
+      for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        p[h][2 * r + c] = exp2f(s[h][2 * r + c] - ref);  // 0 for a masked key
-        st[r].l += p[h][2 * r + c];
+        for (int c = 0; c < 2; ++c) {
+          p[gi][h][2 * r + c] = exp2f(s[gi][h][2 * r + c] - ref);  // 0 for a masked key
+          st[gi][r].l += p[gi][h][2 * r + c];
+        }
       }
+      rescale = rescale || alpha[gi][r] != 1.0f;  // NaN too
     }
+  }
+  // Once the running maxima settle, alpha is 1 in every row of the warp: the accumulators
+  // (D / 2 products per lane and row group) are left alone then.
+  if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) {
-      o[nd][2 * r] *= alpha;
-      o[nd][2 * r + 1] *= alpha;
+    for (int gi = 0; gi < kGroups; ++gi) {
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        o[gi][nd][0] *= alpha[gi][0];
+        o[gi][nd][1] *= alpha[gi][0];
+        o[gi][nd][2] *= alpha[gi][1];
+        o[gi][nd][3] *= alpha[gi][1];
+      }
     }
   }
 
@@ -497,17 +561,23 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* qs, const uint16_t* ks
 #pragma unroll
   for (int h = 0; h < kHalves; h += 2) {
     // P's keys kc + 8 h .. kc + 8 h + 15 as the A fragment of a 16 x 16 (rows x keys) product.
-    const uint32_t pa[4] = {
-        pack_halves(Elem<DT>::store(p[h][0]), Elem<DT>::store(p[h][1])),
-        pack_halves(Elem<DT>::store(p[h][2]), Elem<DT>::store(p[h][3])),
-        pack_halves(Elem<DT>::store(p[h + 1][0]), Elem<DT>::store(p[h + 1][1])),
-        pack_halves(Elem<DT>::store(p[h + 1][2]), Elem<DT>::store(p[h + 1][3]))};
+    uint32_t pa[kGroups][4];
+#pragma unroll
+    for (int gi = 0; gi < kGroups; ++gi) {
+      pa[gi][0] = pack_halves(Elem<DT>::store(p[gi][h][0]), Elem<DT>::store(p[gi][h][1]));
+      pa[gi][1] = pack_halves(Elem<DT>::store(p[gi][h][2]), Elem<DT>::store(p[gi][h][3]));
+      pa[gi][2] = pack_halves(Elem<DT>::store(p[gi][h + 1][0]), Elem<DT>::store(p[gi][h + 1][1]));
+      pa[gi][3] = pack_halves(Elem<DT>::store(p[gi][h + 1][2]), Elem<DT>::store(p[gi][h + 1][3]));
+    }
 #pragma unroll
     for (int nd = 0; nd < D / 8; nd += 2) {
       uint32_t vf[4];
       ldmatrix_x4<true>(vf, v_at + 8 * h * kPitch + nd * 8);
-      mma_m16n8k16<kBF16>(o[nd], pa, vf);
-      mma_m16n8k16<kBF16>(o[nd + 1], pa, vf + 2);
+#pragma unroll
+      for (int gi = 0; gi < kGroups; ++gi) {
+        mma_m16n8k16<kBF16>(o[gi][nd], pa[gi], vf);
+        mma_m16n8k16<kBF16>(o[gi][nd + 1], pa[gi], vf + 2);
+      }
     }
   }
 }
@@ -532,22 +602,26 @@ __device__ __forceinline__ void mma_store_row(const Params& p, int64_t row, int 
   }
 }
 
-template <int D, AttnDType DT, int kHalves>
+// kGroups: row groups per warp. 2 only where each warp owns its groups (p.row_groups ==
+// kGroups * kMmaWarps, parts == 1), so the merge of parts below is for kGroups == 1 alone.
+template <int D, AttnDType DT, int kHalves, int kGroups>
 __global__ void __launch_bounds__(kMmaWarps* kWarp) attend_mma_kernel(Params p) {
-  constexpr int kKeys = mma_tile_keys<D>(), kPitch = mma_pitch<D>();
+  constexpr int kKeys = mma_tile_keys(D), kPitch = mma_pitch(D);
   constexpr int kChunkKeys = 8 * kHalves, kChunks = kKeys / kChunkKeys, kNT = D / 8;
   static_assert(kKeys % kChunkKeys == 0, "a tile holds whole chunks");
   SD_DYNAMIC_SHARED(uint4, smem16);
   uint16_t* stages = reinterpret_cast<uint16_t*>(smem16);
-  uint16_t* qs = stages + 2 * mma_stage_elems<D>();
+  uint16_t* qs = stages + 2 * mma_stage_elems(D);
 
   const AttentionArgs& a = p.a;
   const int64_t b = blockIdx.z, kvh = blockIdx.y;
   const int tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles;
-  const int groups = p.row_groups, parts = kMmaWarps / groups;
+  // owners: the warps that share out the block's row groups, kGroups each; parts: the warps
+  // that share one row group's keys.
+  const int groups = p.row_groups, owners = groups / kGroups, parts = kMmaWarps / owners;
   const int64_t gq = a.q_heads / a.kv_heads, rows = a.tree_len * gq;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int group = warp % groups, part = warp / groups;
+  const int group0 = warp % owners * kGroups, part = warp / owners;
   const int g = lane / 4, t = lane % 4;
   const int64_t block_row0 = static_cast<int64_t>(tile) * groups * kMmaRows;
 
@@ -567,15 +641,22 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp) attend_mma_kernel(Params p) 
     }
     qs[r * kPitch + d] = x;
   }
-  MmaRows mine;
+  // Row r of row group gi of this warp: block row row_of(gi, r).
+  const auto row_of = [&](int gi, int r) {
+    return block_row0 + (group0 + gi) * kMmaRows + g + 8 * r;
+  };
+  MmaRows mine[kGroups];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t rr = block_row0 + group * kMmaRows + g + 8 * r;
-    mine.valid[r] = ok && rr < rows;
-    mine.node[r] = mine.valid[r] ? static_cast<int>(rr / gq) : 0;
-    mine.mask[r] = a.mask && mine.valid[r]
-                       ? a.mask + (b * a.tree_len + mine.node[r]) * mask_words(a.tree_len)
-                       : nullptr;
+  for (int gi = 0; gi < kGroups; ++gi) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t rr = row_of(gi, r);
+      mine[gi].valid[r] = ok && rr < rows;
+      mine[gi].node[r] = mine[gi].valid[r] ? static_cast<int>(rr / gq) : 0;
+      mine[gi].mask[r] = a.mask && mine[gi].valid[r]
+                             ? a.mask + (b * a.tree_len + mine[gi].node[r]) * mask_words(a.tree_len)
+                             : nullptr;
+    }
   }
 
   // This split's keys: its range of the prefix, and for the last split the tree after it.
@@ -590,12 +671,16 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp) attend_mma_kernel(Params p) 
       static_cast<const uint16_t*>(a.v) + b * a.kv_strides[0] + kvh * a.kv_strides[2];
   const float mult = a.scale * kLog2e;
 
-  SoftmaxState st[2] = {softmax_init(), softmax_init()};
-  float o[kNT][4];
+  SoftmaxState st[kGroups][2];
+  float o[kGroups][kNT][4];
 #pragma unroll
-  for (int nd = 0; nd < kNT; ++nd) {
+  for (int gi = 0; gi < kGroups; ++gi) {
+    st[gi][0] = st[gi][1] = softmax_init();
 #pragma unroll
-    for (int i = 0; i < 4; ++i) o[nd][i] = 0.0f;
+    for (int nd = 0; nd < kNT; ++nd) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[gi][nd][i] = 0.0f;
+    }
   }
 
   const int64_t tiles = (end - begin + kKeys - 1) / kKeys;
@@ -609,35 +694,47 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp) attend_mma_kernel(Params p) 
       // The other stage was last read in iteration it - 1, which ended at a barrier.
       const int64_t j1 = j0 + kKeys;
       mma_load_tile<D>(kbase, vbase, rs, j1, static_cast<int>(min64(kKeys, end - j1)),
-                       stages + ((it + 1) % 2) * mma_stage_elems<D>());
+                       stages + ((it + 1) % 2) * mma_stage_elems(D));
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();  // every thread's copies of tile it have landed
-    const uint16_t* ks = stages + (it % 2) * mma_stage_elems<D>();
+    const uint16_t* ks = stages + (it % 2) * mma_stage_elems(D);
     const uint16_t* vs = ks + kKeys * kPitch;
     const int n = static_cast<int>(min64(kKeys, end - j0));
-    for (int c = part; c < kChunks && c * kChunkKeys < n; c += parts) {  // uniform in the warp
-      mma_chunk<D, DT, kHalves>(qs + group * kMmaRows * kPitch, ks, vs, c * kChunkKeys, j0, n,
-                                prefix, mult, mine, st, o);
+    // A whole tile of prefix keys (a split's last tile may be short): every key visible to
+    // every row (rows past the last are never stored), no mask to test.
+    if (n == kKeys && j0 + kKeys <= prefix) {
+      for (int c = part; c < kChunks; c += parts) {  // uniform in the warp
+        mma_chunk<D, DT, kHalves, kGroups, false>(qs + group0 * kMmaRows * kPitch, ks, vs,
+                                                  c * kChunkKeys, j0, n, prefix, mult, mine, st, o);
+      }
+    } else {
+      for (int c = part; c < kChunks && c * kChunkKeys < n; c += parts) {
+        mma_chunk<D, DT, kHalves, kGroups, true>(qs + group0 * kMmaRows * kPitch, ks, vs,
+                                                 c * kChunkKeys, j0, n, prefix, mult, mine, st, o);
+      }
     }
     __syncthreads();  // tile it is no longer read: its stage may be refilled
   }
 
   // Finish: each lane held a share of its rows' sums.
-  float lse[2];
+  float lse[kGroups][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    st[r].l += __shfl_xor_sync(0xffffffffu, st[r].l, 1);
-    st[r].l += __shfl_xor_sync(0xffffffffu, st[r].l, 2);
-    float inv;
-    lse[r] = softmax_finish(st[r], &inv);
+  for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-    for (int nd = 0; nd < kNT; ++nd) {
-      o[nd][2 * r] *= inv;
-      o[nd][2 * r + 1] *= inv;
+    for (int r = 0; r < 2; ++r) {
+      st[gi][r].l += __shfl_xor_sync(0xffffffffu, st[gi][r].l, 1);
+      st[gi][r].l += __shfl_xor_sync(0xffffffffu, st[gi][r].l, 2);
+      float inv;
+      lse[gi][r] = softmax_finish(st[gi][r], &inv);
+#pragma unroll
+      for (int nd = 0; nd < kNT; ++nd) {
+        o[gi][nd][2 * r] *= inv;
+        o[gi][nd][2 * r + 1] *= inv;
+      }
     }
   }
   const auto out_row = [&](int64_t rr) {
@@ -646,45 +743,50 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp) attend_mma_kernel(Params p) 
   };
   if (parts == 1) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t rr = block_row0 + group * kMmaRows + g + 8 * r;
-      if (rr >= rows) continue;
+    for (int gi = 0; gi < kGroups; ++gi) {
 #pragma unroll
-      for (int nd = 0; nd < kNT; ++nd) {
-        mma_store_row<D, DT>(p, out_row(rr), split, nd * 8 + 2 * t, o[nd][2 * r], o[nd][2 * r + 1],
-                             nd == 0 && t == 0, lse[r]);
+      for (int r = 0; r < 2; ++r) {
+        const int64_t rr = row_of(gi, r);
+        if (rr >= rows) continue;
+#pragma unroll
+        for (int nd = 0; nd < kNT; ++nd) {
+          mma_store_row<D, DT>(p, out_row(rr), split, nd * 8 + 2 * t, o[gi][nd][2 * r],
+                               o[gi][nd][2 * r + 1], nd == 0 && t == 0, lse[gi][r]);
+        }
       }
     }
     return;
   }
-  // Several parts per row group: their partials meet in shared memory (over the stages; the
-  // loop's last barrier has passed, so no thread still reads them). Row r of warp w: D floats
-  // of o, then its lse.
-  float* merge = reinterpret_cast<float*>(smem16);
+  if constexpr (kGroups == 1) {
+    // Several parts per row group: their partials meet in shared memory (over the stages; the
+    // loop's last barrier has passed, so no thread still reads them). Row r of warp w: D floats
+    // of o, then its lse.
+    float* merge = reinterpret_cast<float*>(smem16);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float* row = merge + (warp * kMmaRows + g + 8 * r) * (D + 1);
+    for (int r = 0; r < 2; ++r) {
+      float* row = merge + (warp * kMmaRows + g + 8 * r) * (D + 1);
 #pragma unroll
-    for (int nd = 0; nd < kNT; ++nd) {
-      row[nd * 8 + 2 * t] = o[nd][2 * r];
-      row[nd * 8 + 2 * t + 1] = o[nd][2 * r + 1];
+      for (int nd = 0; nd < kNT; ++nd) {
+        row[nd * 8 + 2 * t] = o[0][nd][2 * r];
+        row[nd * 8 + 2 * t + 1] = o[0][nd][2 * r + 1];
+      }
+      if (t == 0) row[D] = lse[0][r];
     }
-    if (t == 0) row[D] = lse[r];
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < groups * kMmaRows * (D / 2); e += blockDim.x) {
-    const int gi = e / (kMmaRows * (D / 2)), r = e / (D / 2) % kMmaRows, d = e % (D / 2) * 2;
-    const int64_t rr = block_row0 + gi * kMmaRows + r;
-    if (rr >= rows) continue;
-    float acc0 = 0.0f, acc1 = 0.0f, lse_all = -INFINITY;
-    for (int k = 0; k < parts; ++k) {
-      const float* row = merge + ((k * groups + gi) * kMmaRows + r) * (D + 1);
-      float wa, wb;
-      lse_all = lse_merge_weights(lse_all, row[D], &wa, &wb);
-      acc0 = wa * acc0 + (wb != 0.0f ? wb * row[d] : 0.0f);
-      acc1 = wa * acc1 + (wb != 0.0f ? wb * row[d + 1] : 0.0f);
+    __syncthreads();
+    for (int e = threadIdx.x; e < groups * kMmaRows * (D / 2); e += blockDim.x) {
+      const int gi = e / (kMmaRows * (D / 2)), r = e / (D / 2) % kMmaRows, d = e % (D / 2) * 2;
+      const int64_t rr = block_row0 + gi * kMmaRows + r;
+      if (rr >= rows) continue;
+      float acc0 = 0.0f, acc1 = 0.0f, lse_all = -INFINITY;
+      for (int k = 0; k < parts; ++k) {
+        const float* row = merge + ((k * groups + gi) * kMmaRows + r) * (D + 1);
+        float wa, wb;
+        lse_all = lse_merge_weights(lse_all, row[D], &wa, &wb);
+        acc0 = wa * acc0 + (wb != 0.0f ? wb * row[d] : 0.0f);
+        acc1 = wa * acc1 + (wb != 0.0f ? wb * row[d + 1] : 0.0f);
+      }
+      mma_store_row<D, DT>(p, out_row(rr), split, d, acc0, acc1, d == 0, lse_all);
     }
-    mma_store_row<D, DT>(p, out_row(rr), split, d, acc0, acc1, d == 0, lse_all);
   }
 }
 
@@ -749,18 +851,26 @@ cudaError_t launch_cuda_cores(const Params& p, cudaStream_t stream) {
   return launch_merge<D, DT>(p, stream);
 }
 
+// The kernel for blocks of row_groups row groups (see mma_row_groups): where each warp owns its
+// row groups (every chunk is its own), 32-key chunks; else 16, so that the tile's chunks go
+// round all the warps.
+template <int D, AttnDType DT>
+void (*mma_kernel(int row_groups))(Params) {
+  if constexpr (mma_two_groups_fit(D)) {
+    if (row_groups == 2 * kMmaWarps) return attend_mma_kernel<D, DT, 4, 2>;
+  }
+  return row_groups == kMmaWarps ? attend_mma_kernel<D, DT, 4, 1> : attend_mma_kernel<D, DT, 2, 1>;
+}
+
 template <int D, AttnDType DT>
 cudaError_t launch_tensor_cores(Params p, cudaStream_t stream) {
   const AttentionArgs& a = p.a;
   const int64_t rows = a.tree_len * (a.q_heads / a.kv_heads);
-  p.row_groups = rows <= kMmaRows ? 1 : rows <= 2 * kMmaRows ? 2 : kMmaWarps;
+  p.row_groups = mma_row_groups(a.batch * a.kv_heads, rows, D, -1);
   const int64_t block_rows = static_cast<int64_t>(p.row_groups) * kMmaRows;
   p.row_tiles = static_cast<int>((rows + block_rows - 1) / block_rows);
-  // Each warp owns a row group (every chunk is its own): 32-key chunks. Else 16, so that the
-  // tile's chunks go round all the warps.
-  const bool wide = p.row_groups == kMmaWarps;
-  const auto kernel = wide ? attend_mma_kernel<D, DT, 4> : attend_mma_kernel<D, DT, 2>;
-  const size_t smem = mma_smem_bytes<D>(p.row_groups);
+  const auto kernel = mma_kernel<D, DT>(p.row_groups);
+  const size_t smem = mma_smem_bytes(D, p.row_groups);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return err;
@@ -802,17 +912,6 @@ cudaError_t launch_dtype(const Params& p, bool tensor_cores, cudaStream_t stream
     default:
       return cudaErrorInvalidValue;
   }
-}
-
-// Whether the current device runs mma.sync with bf16 / fp16 inputs and cp.async (sm_80+). A
-// query of the runtime's device attributes: no synchronisation.
-bool device_has_tensor_core_mma() {
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    return false;
-  }
-  return major >= 8;
 }
 
 // ---- compact_kv ------------------------------------------------------------------------------
@@ -880,7 +979,7 @@ cudaError_t tree_attention(const AttentionArgs& args, int splits, float* part_o,
              reinterpret_cast<uintptr_t>(args.v) % 16 == 0 && args.kv_strides[0] % per_chunk == 0 &&
              args.kv_strides[1] % per_chunk == 0 && args.kv_strides[2] % per_chunk == 0;
   p.row_groups = 0;
-  const bool tensor_cores = device_has_tensor_core_mma();
+  const bool tensor_cores = has_tensor_core_mma(-1);
   switch (args.dtype) {
     case AttnDType::kFloat32:
       return launch_dtype<AttnDType::kFloat32>(p, tensor_cores, stream);
@@ -890,6 +989,12 @@ cudaError_t tree_attention(const AttentionArgs& args, int splits, float* part_o,
       return launch_dtype<AttnDType::kBFloat16>(p, tensor_cores, stream);
   }
   return cudaErrorInvalidValue;
+}
+
+int tree_attention_block_rows(int64_t batch, int64_t kv_heads, int64_t rows, int head_dim,
+                              AttnDType dtype, int device) {
+  if (dtype == AttnDType::kFloat32 || !has_tensor_core_mma(device)) return kRowsPerBlock;
+  return mma_row_groups(batch * kv_heads, rows, head_dim, device) * kMmaRows;
 }
 
 cudaError_t compact_kv(void* k, void* v, int elem_size, const int64_t kv_strides[3], int64_t batch,

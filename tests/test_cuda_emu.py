@@ -503,9 +503,11 @@ def test_tree_attention_non_finite_scores_make_the_same_nan_rows(dtype, t, prefi
 def test_tree_attention_on_the_tensor_cores_in_every_row_grouping(t, prefix, hq, hkv):
     """attend_mma_kernel groups 16 query rows per warp and splits each tile's keys among the
     warps of a group: T = 1 and 5 (4 and 20 rows per KV head at GQA 4) run one or two row
-    groups with their keys on four or two warps, merged in shared memory; T = 64 four groups and
-    four row tiles; an empty prefix leaves only the masked tree. GQA 1, 4 and 8; one split and
-    three."""
+    groups with their keys on four or two warps, merged in shared memory; T = 64 at GQA 1 four
+    groups, one per warp, as T = 9 at GQA 8 (72 rows: two row tiles); T = 64 at GQA 4 and 8
+    two groups per warp in blocks of 128 rows (their 64-row grid fills the emulated device's
+    4 SMs four times over), two and four row tiles; an empty prefix leaves only the masked
+    tree. One split and three."""
     for splits in (1, 3):
         q, k, v, lens, gen = make_case(2, t, hq, hkv, 128, [prefix, prefix // 2], torch.float16)
         mask = ops.tree_info(random_attention_parents(2, t, gen)).mask
@@ -520,6 +522,76 @@ def test_tree_attention_on_the_tensor_cores_in_every_row_grouping(t, prefix, hq,
         fin = torch.isfinite(cpu_lse)
         assert torch.equal(torch.isfinite(lse), fin)
         assert (lse - cpu_lse)[fin].abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize(
+    "capability,d,batch,rows,block_rows",
+    [
+        # two row groups per warp: 104 KiB of shared memory fits, and B x Hkv x 4 64-row
+        # blocks = 16 fill the emulated device's 4 SMs four times over
+        ((9, 0), 128, 2, 256, 128),
+        ((9, 0), 128, 1, 256, 64),  # 8 blocks of 64 rows: half as many would leave SMs idle
+        ((8, 0), 128, 2, 256, 128),
+        ((8, 6), 128, 2, 256, 64),  # 99 KiB per block: one group per warp
+        ((8, 9), 96, 2, 256, 128),  # D 96: 78 KiB fits
+        ((9, 0), 256, 2, 256, 64),  # 32 rows' accumulators at D 256 overflow the registers
+        ((9, 0), 96, 4, 65, 128),
+        ((9, 0), 96, 4, 64, 64),
+        ((9, 0), 128, 2, 20, 32),
+        ((9, 0), 128, 2, 4, 16),
+        ((7, 5), 128, 2, 256, 32),  # no tensor cores: the CUDA-core kernel's 32 rows
+    ],
+)
+def test_tree_attention_block_rows_follow_the_device(capability, d, batch, rows, block_rows):
+    """The rows per thread block that the split count is sized by (tree_attention_block_rows)
+    are the ones the launcher runs: B x Hkv x ceil(rows / block_rows) blocks at one split, and
+    the output right; fp32 always takes the CUDA-core kernel's 32."""
+    gq = 4 if rows % 4 == 0 else 1
+    t = rows // gq
+    prefix = [40, 7, 0, 13][:batch]
+    q, k, v, lens, gen = make_case(batch, t, 2 * gq, 2, d, prefix, torch.bfloat16, seed=8)
+    mask = ops.tree_info(random_attention_parents(batch, t, gen)).mask
+    cpu_out = ops.tree_attention(q, k, v, lens, mask)
+    emu.set_compute_capability(*capability)
+    try:
+        assert emu.tree_attention_block_rows(batch, 2, rows, d, False, 0) == block_rows
+        assert emu.tree_attention_block_rows(batch, 2, rows, d, True, 0) == 32
+        emu.reset_stats()
+        with on_emulator(splits=1):
+            out = ops.tree_attention(q, k, v, lens, mask)
+        blocks = emu.stats()["blocks"]
+    finally:
+        emu.set_compute_capability(9, 0)
+    assert blocks == batch * 2 * -(-rows // block_rows)
+    assert (out.float() - cpu_out.float()).abs().max().item() <= TOL[torch.bfloat16]
+    for bad in range(4):
+        args = [batch, 2, rows, d]
+        args[bad] = 0
+        with pytest.raises(ValueError, match="expected at least 1"):
+            emu.tree_attention_block_rows(*args, False, 0)
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_attention_two_row_groups_per_warp(d, dtype):
+    """Blocks of 128 rows (two row groups per warp, each K and V fragment used by both): T = 33
+    at GQA 4 is 132 rows, a full row tile and one of 4 rows (B 3 x Hkv 2 x 3 64-row blocks fill
+    the emulated 4 SMs four times over); ragged prefixes, one sequence with none, a random tree;
+    1 and 2 splits. D = 256 takes 64-row blocks and must agree too."""
+    q, k, v, lens, gen = make_case(3, 33, 8, 2, d, [90, 0, 301], dtype, seed=9)
+    mask = ops.tree_info(random_attention_parents(3, 33, gen)).mask
+    cpu_out, cpu_lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+    ref_out, _ = tree_attention_ref(q, k, v, lens, mask)
+    for splits in (1, 2):
+        emu.reset_stats()
+        with on_emulator(splits=splits):
+            out, lse = ops.tree_attention(q, k, v, lens, mask, return_lse=True)
+        tiles = 2 if d <= 128 else 3
+        merge = 0 if splits == 1 else -(-3 * 33 * 8 // 4)  # one warp per output row, 4 a block
+        assert emu.stats()["blocks"] == 3 * 2 * tiles * splits + merge
+        assert (out.double() - ref_out).abs().max().item() <= TOL[dtype]
+        assert (out.float() - cpu_out.float()).abs().max().item() <= TOL[dtype]
+        assert (lse - cpu_lse).abs().max().item() < 1e-3
 
 
 def test_tree_attention_rejects_a_bad_prefix():

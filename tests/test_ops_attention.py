@@ -954,33 +954,35 @@ def test_cuda_compact_kv_and_errors():
 
 
 @pytest.mark.parametrize(
-    "batch,rows,cache_len,float32,splits",
+    "batch,rows,block_rows,cache_len,float32,splits",
     [
         # at most 32 rows per KV head (T 1, 4 at GQA 4): about one block per SM
-        (1, 4, 16385, False, 16),  # 132 / 8 blocks; two per SM (33) was 17 % slower
-        (1, 4, 4097, True, 16),
-        (8, 4, 4097, False, 2),  # 132 / 64; four was 3-5 % slower
-        (8, 16, 513, True, 2),  # three was 41 % slower
-        (32, 4, 4097, False, 1),  # the batch fills the GPU
+        (1, 4, 16, 16385, False, 16),  # 132 / 8 blocks; two per SM (33) was 17 % slower
+        (1, 4, 32, 4097, True, 16),
+        (8, 4, 16, 4097, False, 2),  # 132 / 64; four was 3-5 % slower
+        (8, 16, 32, 513, True, 2),  # three was 41 % slower
+        (32, 4, 16, 4097, False, 1),  # the batch fills the GPU
         # more than 32 rows: about two per SM
-        (8, 64, 4113, False, 4),  # T 16: one block of 64 rows; two splits (one per SM) 29 % slower
-        (1, 256, 4160, False, 8),  # 4 row blocks; one per SM (4) was 19-24 % slower
-        (1, 256, 4160, True, 4),  # 8 row blocks of 32
-        (8, 256, 4160, False, 1),
+        (8, 64, 64, 4113, False, 4),  # T 16: one block of 64 rows; two splits 29 % slower
+        (1, 256, 64, 4160, False, 8),  # 4 row blocks; one per SM (4) was 19-24 % slower
+        (1, 256, 32, 4160, True, 4),  # 8 row blocks of 32
+        (8, 256, 64, 4160, False, 1),
+        (32, 256, 128, 4160, False, 1),  # 128-row blocks: 512 of them; two splits 24 % slower
+        (8, 256, 128, 16448, False, 2),  # a 128-row grid at B 8 (the rule keeps 64 there)
         # the shortest split: 256 keys (fp16 / bf16), 64 (fp32)
-        (1, 4, 513, False, 3),
-        (1, 4, 513, True, 9),
-        (1, 1, 40, True, 1),
+        (1, 4, 16, 513, False, 3),
+        (1, 4, 32, 513, True, 9),
+        (1, 1, 32, 40, True, 1),
     ],
 )
-def test_split_count_of_the_cuda_kernel(batch, rows, cache_len, float32, splits):
+def test_split_count_of_the_cuda_kernel(batch, rows, block_rows, cache_len, float32, splits):
     """The KV split count on an H100's 132 SMs with 8 KV heads: the picks that the H100 sweeps
     (bench/RESULTS.md) put at or within 3 % of the fastest count."""
-    got = attention_module.split_count(batch, 8, rows, cache_len, float32, 132)
+    got = attention_module.split_count(batch, 8, rows, block_rows, cache_len, float32, 132)
     assert got == splits
     # at most 64 splits, at least one
-    assert attention_module.split_count(1, 1, 1, 1 << 20, False, 132) == 64
-    assert attention_module.split_count(64, 8, 256, 1 << 20, True, 132) == 1
+    assert attention_module.split_count(1, 1, 1, 16, 1 << 20, False, 132) == 64
+    assert attention_module.split_count(64, 8, 256, 32, 1 << 20, True, 132) == 1
 
 
 def test_num_splits_is_one_off_the_gpu():

@@ -13,6 +13,7 @@ and ``torch.ops.specdecode.compact_kv`` (with fake implementations), so they tra
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Union
 
@@ -60,7 +61,13 @@ def _default_scale(scale: Optional[float], head_dim: int) -> float:
 
 
 def split_count(
-    batch: int, kv_heads: int, rows: int, cache_len: int, float32: bool, sms: int
+    batch: int,
+    kv_heads: int,
+    rows: int,
+    block_rows: int,
+    cache_len: int,
+    float32: bool,
+    sms: int,
 ) -> int:
     """KV splits of the CUDA kernel for one launch.
 
@@ -70,11 +77,17 @@ def split_count(
         B and Hkv of the launch.
     rows : int
         T x (Hq / Hkv): the query rows that share one KV head.
+    block_rows : int
+        The query rows one thread block takes (the native module's
+        ``tree_attention_block_rows``): 32 for the CUDA-core kernel (fp32); 16, 32, 64 or 128
+        for the tensor-core one (fp16 / bf16; 128 from 65 rows at head dims up to 128, where
+        the device's shared memory allows and the 64-row blocks would fill the SMs four times
+        over).
     cache_len : int
         S, the cache's length (the prefix is at most ``S - T`` of it).
     float32 : bool
-        The CUDA-core kernel (fp32: 32 rows per thread block, 32-key tiles) rather than the
-        tensor-core one (fp16 / bf16: up to 64 rows per block, 64-key tiles, 32 at D 256).
+        The CUDA-core kernel (32-key tiles) rather than the tensor-core one (64-key tiles, 32 at
+        D 256).
     sms : int
         The device's streaming multiprocessors.
 
@@ -86,8 +99,7 @@ def split_count(
         at most ``ceil(S / 64)`` (fp32: two of its kernel's 32-key tiles per split) or
         ``ceil(S / 256)`` (fp16 / bf16).
     """
-    per_block = 64 if not float32 and rows > 32 else 32
-    blocks = batch * kv_heads * max(1, -(-rows // per_block))
+    blocks = batch * kv_heads * max(1, -(-rows // max(block_rows, 1)))
     # H100 (bench/RESULTS.md, sessions 22 and 30): with at most 32 rows, two blocks per SM were
     # 2-5 % slower at B 8 and 12-17 % at B 1 S 16384 than one. With more (each of a block's
     # warps then runs every key of its tile), one per SM was 19-44 % slower at T 64 and 29 %
@@ -100,18 +112,30 @@ def split_count(
     return int(max(1, min(want, -(-cache_len // min_keys), 64)))
 
 
+@functools.lru_cache(maxsize=4096)
+def _block_rows(
+    device_index: int, batch: int, kv_heads: int, rows: int, head_dim: int, float32: bool
+) -> int:
+    """The native launcher's rows per thread block (a device query: cached per launch shape)."""
+    return int(_C.tree_attention_block_rows(batch, kv_heads, rows, head_dim, float32, device_index))
+
+
 def _num_splits(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     """KV splits of the CUDA kernel for these tensors (1 on the CPU): see split_count."""
     if q.device.type != "cuda":
         return 1
-    batch, t, hq, _ = q.shape
+    batch, t, hq, d = q.shape
     kv_heads = max(k_cache.shape[2], 1)
+    rows = t * (hq // kv_heads)
+    float32 = q.dtype == torch.float32
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return split_count(
         batch,
         kv_heads,
-        t * (hq // kv_heads),
+        rows,
+        _block_rows(index, max(batch, 1), kv_heads, max(rows, 1), d, float32),
         k_cache.shape[1],
-        q.dtype == torch.float32,
+        float32,
         multiprocessors(q.device),
     )
 
