@@ -985,6 +985,48 @@ def test_split_count_of_the_cuda_kernel(batch, rows, block_rows, cache_len, floa
     assert attention_module.split_count(64, 8, 256, 32, 1 << 20, True, 132) == 1
 
 
+class _LaunchShape:
+    """What _num_splits reads of q and k_cache, on a CUDA device that this machine need not
+    have."""
+
+    def __init__(self, shape, dtype=torch.bfloat16):
+        self.shape = shape
+        self.dtype = dtype
+        self.device = torch.device("cuda", 0)
+
+
+def test_num_splits_asks_the_native_launcher_for_its_block_rows(monkeypatch):
+    """On CUDA the split count is sized by the launcher's own rows per block, asked of the
+    native module once per launch shape (device, B, Hkv, rows, D, fp32); a build without the
+    CUDA kernels has no such query and gets one split (its native call then says why)."""
+    calls = []
+
+    class Native:
+        @staticmethod
+        def tree_attention_block_rows(batch, kv_heads, rows, head_dim, float32, device):
+            calls.append((batch, kv_heads, rows, head_dim, float32, device))
+            return 128 if rows > 64 and batch * kv_heads >= 128 else 64
+
+    monkeypatch.setattr(attention_module, "_C", Native)
+    monkeypatch.setattr(attention_module, "multiprocessors", lambda device: 132)
+    attention_module._block_rows.cache_clear()
+    try:
+        big = _LaunchShape((32, 64, 32, 128)), _LaunchShape((32, 4160, 8, 128))
+        assert attention_module._num_splits(*big) == 1  # 512 blocks of 128 rows
+        assert attention_module._num_splits(*big) == 1
+        small = _LaunchShape((1, 64, 32, 128)), _LaunchShape((1, 4160, 8, 128))
+        assert attention_module._num_splits(*small) == 8  # 32 blocks of 64 rows
+        assert calls == [(32, 8, 256, 128, False, 0), (1, 8, 256, 128, False, 0)]
+        empty = _LaunchShape((0, 0, 32, 0), torch.float32), _LaunchShape((0, 64, 8, 0))
+        attention_module._num_splits(*empty)
+        assert calls[-1] == (1, 8, 1, 1, True, 0)  # the native checks report the bad shape
+        monkeypatch.setattr(attention_module, "_C", object())
+        assert attention_module._num_splits(*big) == 1
+        assert attention_module._num_splits(*small) == 1
+    finally:
+        attention_module._block_rows.cache_clear()
+
+
 def test_num_splits_is_one_off_the_gpu():
     q = torch.zeros(1, 1, 32, 128)
     assert attention_module._num_splits(q, torch.zeros(1, 1 << 16, 8, 128)) == 1

@@ -121,8 +121,9 @@ def _block_rows(
 
 
 def _num_splits(q: torch.Tensor, k_cache: torch.Tensor) -> int:
-    """KV splits of the CUDA kernel for these tensors (1 on the CPU): see split_count."""
-    if q.device.type != "cuda":
+    """KV splits of the CUDA kernel for these tensors (1 on the CPU, and in a build without the
+    CUDA kernels, whose native call then reports that): see split_count."""
+    if q.device.type != "cuda" or not hasattr(_C, "tree_attention_block_rows"):
         return 1
     batch, t, hq, d = q.shape
     kv_heads = max(k_cache.shape[2], 1)
@@ -133,7 +134,7 @@ def _num_splits(q: torch.Tensor, k_cache: torch.Tensor) -> int:
         batch,
         kv_heads,
         rows,
-        _block_rows(index, max(batch, 1), kv_heads, max(rows, 1), d, float32),
+        _block_rows(index, max(batch, 1), kv_heads, max(rows, 1), max(d, 1), float32),
         k_cache.shape[1],
         float32,
         multiprocessors(q.device),
