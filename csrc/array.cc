@@ -356,25 +356,37 @@ std::optional<Array> optional_array(py::handle obj, const char* name, bool writa
   return Array::from_python(obj, name, writable);
 }
 
-bool prepare_device(const Array& a) {
+DeviceScope::~DeviceScope() {
+#ifdef SPECDECODE_WITH_CUDA
+  cuda::leave_device(previous_);
+#endif
+}
+
+DeviceScope prepare_device(const Array& a) {
 #if defined(SPECDECODE_CUDA_EMULATED)
-  // The CUDA emulator's device is the host: host arrays take the CUDA path (cuda/emu).
-  if (a.device().kind == DeviceKind::kCPU) return true;
-  throw_value_error(std::string(a.name()) + ": is on " + a.device().str() +
-                    ", but the CUDA emulator (specdecode._cuda_emu) takes host arrays only");
-#elif defined(SPECDECODE_WITH_CUDA)
-  if (a.device().kind == DeviceKind::kCPU) return false;
-  std::string err;
-  if (!cuda::set_device(a.device().index, &err)) {
-    throw std::runtime_error(std::string(a.name()) + ": cannot use " + a.device().str() + ": " +
-                             err);
+  // The CUDA emulator's devices are the host (cuda/emu): host arrays take the CUDA path.
+  if (a.device().kind != DeviceKind::kCPU) {
+    throw_value_error(std::string(a.name()) + ": is on " + a.device().str() +
+                      ", but the CUDA emulator (specdecode._cuda_emu) takes host arrays only");
   }
-  return true;
+  const int index = cuda::emulated_array_device();
+#elif defined(SPECDECODE_WITH_CUDA)
+  if (a.device().kind == DeviceKind::kCPU) return DeviceScope(false, -1);
+  const int index = a.device().index;
 #else
-  if (a.device().kind == DeviceKind::kCPU) return false;
+  if (a.device().kind == DeviceKind::kCPU) return DeviceScope(false, -1);
   throw_value_error(std::string(a.name()) + ": is on " + a.device().str() +
                     ", but this build of specdecode has no CUDA backend; reinstall with nvcc on "
                     "PATH and SPECDECODE_CUDA=ON, or move the data to the CPU");
+#endif
+#ifdef SPECDECODE_WITH_CUDA
+  int previous = -1;
+  std::string err;
+  if (!cuda::enter_device(index, &previous, &err)) {
+    throw std::runtime_error(std::string(a.name()) + ": cannot use cuda:" + std::to_string(index) +
+                             ": " + err);
+  }
+  return DeviceScope(true, previous);
 #endif
 }
 

@@ -103,11 +103,29 @@ class Array {
 // Array::from_python, or nullopt for None.
 std::optional<Array> optional_array(py::handle obj, const char* name, bool writable = false);
 
-// Raises ValueError naming the argument when a CUDA array reaches a build without CUDA, and sets
-// the current CUDA device to the array's on CUDA builds. Returns true for CUDA arrays. In the
-// CUDA emulator's module (SPECDECODE_CUDA_EMULATED) host arrays are the device's: true for them,
-// ValueError for real CUDA arrays.
-bool prepare_device(const Array& a);
+// An op's hold on the CUDA device of its arrays: that device is the calling thread's current one
+// while the scope lives, and the caller's current device comes back when it ends (the op
+// returned or threw), so that an op on cuda:1 leaves torch's current device as it was.
+// Made by prepare_device; lives to the end of the op's binding function.
+class DeviceScope {
+ public:
+  DeviceScope(bool on_cuda, int previous) : on_cuda_(on_cuda), previous_(previous) {}
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  ~DeviceScope();
+  // Whether the arrays take the CUDA path.
+  bool on_cuda() const { return on_cuda_; }
+
+ private:
+  bool on_cuda_;
+  int previous_;  // the device to give back (cuda::leave_device), -1 for none
+};
+
+// Raises ValueError naming the argument when a CUDA array reaches a build without CUDA; on CUDA
+// builds makes the array's device current for the scope's lifetime. on_cuda() is true for CUDA
+// arrays. In the CUDA emulator's module (SPECDECODE_CUDA_EMULATED) host arrays are the emulated
+// device's (sd::emu::array_device): on_cuda() for them, ValueError for real CUDA arrays.
+DeviceScope prepare_device(const Array& a);
 
 // Throws RuntimeError with the CUDA runtime's message when code != 0.
 void check_cuda(int code, const char* what);

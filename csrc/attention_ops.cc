@@ -135,7 +135,8 @@ void tree_attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
   }
   args.scale = static_cast<float>(scale);
 
-  const bool on_cuda = prepare_device(q);
+  const DeviceScope device_scope = prepare_device(q);
+  const bool on_cuda = device_scope.on_cuda();
   if (!on_cuda) {
     py::gil_scoped_release nogil;
     cpu::tree_attention(args);
@@ -188,7 +189,8 @@ void compact_kv(py::handle k_obj, py::handle v_obj, py::handle prefix_lens_obj, 
 
   const int64_t strides[3] = {k.stride(0), k.stride(1), k.stride(2)};
   const int path_len = static_cast<int>(path.size(1));
-  const bool on_cuda = prepare_device(k);
+  const DeviceScope device_scope = prepare_device(k);
+  const bool on_cuda = device_scope.on_cuda();
   py::gil_scoped_release nogil;
   if (!on_cuda) {
     cpu::compact_kv(k.raw(), v.raw(), dtype_size(k.dtype()), strides, batch, k.size(1), k.size(2),

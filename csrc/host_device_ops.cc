@@ -28,7 +28,8 @@ void convert_16bit(py::handle src_obj, py::handle out_obj, std::intptr_t stream)
       .expect_contiguous()
       .expect_same_device(src);
   const int64_t n = src.size(0);
-  const bool on_cuda = prepare_device(src);
+  const DeviceScope device_scope = prepare_device(src);
+  const bool on_cuda = device_scope.on_cuda();
   py::gil_scoped_release nogil;
   if (!on_cuda) {
     if (to_float) {

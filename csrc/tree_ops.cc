@@ -35,7 +35,8 @@ void tree_info(py::handle parents_obj, py::handle depth_obj, py::handle mask_obj
                py::handle num_nodes_obj, py::handle status_obj, std::intptr_t stream) {
   Array parents = Array::from_python(parents_obj, "parents");
   const auto [batch, n] = check_parents(parents);
-  const bool on_cuda = prepare_device(parents);
+  const DeviceScope device_scope = prepare_device(parents);
+  const bool on_cuda = device_scope.on_cuda();
   const int words = mask_words(n);
   Array depth = Array::from_python(depth_obj, "depth", true);
   check_output(depth, parents, DType::kInt32, {batch, n});
@@ -65,7 +66,8 @@ void tree_paths(py::handle parents_obj, py::handle depth_obj, py::handle num_nod
                 std::intptr_t stream) {
   Array parents = Array::from_python(parents_obj, "parents");
   const auto [batch, n] = check_parents(parents);
-  const bool on_cuda = prepare_device(parents);
+  const DeviceScope device_scope = prepare_device(parents);
+  const bool on_cuda = device_scope.on_cuda();
   Array depth = Array::from_python(depth_obj, "depth");
   check_output(depth, parents, DType::kInt32, {batch, n});
   Array num_nodes = Array::from_python(num_nodes_obj, "num_nodes");

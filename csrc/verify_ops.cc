@@ -182,7 +182,8 @@ void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle draf
   // CUDA: the phases hand their data over in caller-allocated device memory (native code
   // allocates nothing on the GPU): uint8 [>= verify_workspace_bytes(B, V)], 16-byte aligned.
   std::optional<Array> workspace = optional_array(workspace_obj, "workspace", true);
-  const bool on_cuda = prepare_device(target);
+  const DeviceScope device_scope = prepare_device(target);
+  const bool on_cuda = device_scope.on_cuda();
   if (on_cuda) {
     if (!workspace) throw_value_error("workspace: required for CUDA inputs");
     workspace->expect_dtype({DType::kUInt8}).expect_ndim(1).expect_contiguous();
@@ -241,7 +242,8 @@ void sampling_probs_binding(py::handle rows_obj, py::handle temperature_obj, py:
   args.probs = probs.data<float>();
   args.status = status.data<int32_t>();
   const cpu::VerifyDType code = float_code(rows);
-  const bool on_cuda = prepare_device(rows);
+  const DeviceScope device_scope = prepare_device(rows);
+  const bool on_cuda = device_scope.on_cuda();
   py::gil_scoped_release nogil;
   if (!on_cuda) {
     cpu::sampling_distribution(args, code);

@@ -620,6 +620,125 @@ def test_compact_kv_equals_the_reference_with_overlapping_moves(dtype):
     assert torch.equal(k, before[0]) and torch.equal(v, before[1])
 
 
+# ---- the caller's current device ------------------------------------------------------------
+
+
+@pytest.fixture
+def three_devices():
+    """Three emulated devices, none used yet (device 0 current), the ops' arrays on device 2."""
+    emu.reset_devices(3, 2)
+    try:
+        yield
+    finally:
+        emu.reset_devices(1, 0)
+
+
+def _device_op_cases():
+    """One call of each op family that launches kernels (one binding function each)."""
+    q, k, v, lens, _ = make_case(2, 4, 4, 2, 64, [10, 3], torch.bfloat16, seed=5)
+    parents = random_tree_parents(torch.Generator().manual_seed(3), batch=2, n=9, pad_max=2)
+    logits, tokens, cases = backend_parity_cases(
+        torch.Generator().manual_seed(4), 50, 4, 3, torch.float32
+    )
+    row = logits[:, 0].contiguous()
+    path = torch.tensor([[0, 2], [0, 1]], dtype=torch.int32)
+    accepted = torch.tensor([2, 1], dtype=torch.int32)
+    return {
+        "tree_attention": lambda: ops.tree_attention(q, k, v, lens),
+        "compact_kv": lambda: ops.compact_kv(k.clone(), v.clone(), lens, path, accepted),
+        "tree_info": lambda: ops.tree_info(parents),
+        "tree_paths": lambda: ops.tree_paths(parents),
+        "verify": lambda: ops.verify(logits, tokens, seed=seeds(4), offset=0, **cases[0]),
+        "sampling_probs": lambda: ops.sampling_probs(row, 0.8, 30, 0.95),
+        "convert_16bit": lambda: convert_16bit(row.flatten(), torch.float16, module=emu),
+    }
+
+
+DEVICE_OPS = (
+    "compact_kv",
+    "convert_16bit",
+    "sampling_probs",
+    "tree_attention",
+    "tree_info",
+    "tree_paths",
+    "verify",
+)
+
+
+@pytest.mark.parametrize("op", DEVICE_OPS)
+def test_ops_run_on_their_arrays_device_and_give_the_callers_back(three_devices, op):
+    """An op on another device's arrays launches there and leaves the caller's current device
+    as it was (as torch's device guards do): a caller on cuda:1 still is after an op on cuda:2."""
+    call = _device_op_cases()[op]
+    emu.set_device(1)
+    with on_emulator():
+        call()
+    assert emu.stats()["launch_device"] == 2
+    assert emu.current_device() == 1
+    # Arrays on the current device: nothing to switch.
+    emu.set_device(2)
+    with on_emulator():
+        call()
+    assert emu.stats()["launch_device"] == 2 and emu.current_device() == 2
+
+
+def test_the_callers_device_comes_back_when_the_op_raises(three_devices):
+    """The device is given back on every way out, here a bad output found after the switch."""
+    parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32)
+    emu.set_device(1)
+    with pytest.raises(TypeError, match="depth"):
+        emu.tree_info(
+            parents,
+            torch.empty((1, 3), dtype=torch.float32),
+            None,
+            torch.empty((1,), dtype=torch.int32),
+            torch.empty((1, 2), dtype=torch.int32),
+            0,
+        )
+    assert emu.current_device() == 1
+
+
+def test_no_primary_context_is_created_to_give_a_device_back(three_devices):
+    """A thread that never used its current device (0, no primary context): making it current
+    again would create that context, so the op's device stays current, as with torch's guards."""
+    parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32)
+    with on_emulator():
+        ops.tree_info(parents)
+    assert emu.current_device() == 2
+    assert not emu.primary_context_active(0) and not emu.primary_context_active(1)
+    emu.set_device(0)  # now the caller has used device 0: it is given back
+    with on_emulator():
+        ops.tree_info(parents)
+    assert emu.current_device() == 0 and emu.stats()["launch_device"] == 2
+
+
+def test_an_unusable_device_is_a_clear_error_and_leaves_no_error_pending():
+    """Arrays on a device the process cannot use (here device 5 of two): the op names the array
+    and the runtime's reason, the caller's device stays, and the failed switch leaves no error
+    for the next launch's check to report."""
+    parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32)
+
+    def tree_info():
+        depth = torch.empty((1, 3), dtype=torch.int32)
+        status = torch.empty((1, 2), dtype=torch.int32)
+        emu.tree_info(parents, depth, None, torch.empty((1,), dtype=torch.int32), status, 0)
+        return depth
+
+    emu.reset_devices(2, 5)
+    try:
+        with pytest.raises(ValueError, match="device 7, but the emulator has 2"):
+            emu.set_device(7)
+        emu.set_device(1)
+        with pytest.raises(RuntimeError, match="parents: cannot use cuda:5: invalid device"):
+            tree_info()
+        assert emu.current_device() == 1
+        emu.reset_devices(2, 0)
+        assert tree_info().tolist() == [[0, 1, 1]]
+        assert emu.stats()["launch_device"] == 0
+    finally:
+        emu.reset_devices(1, 0)
+
+
 # ---- tree_info and tree_paths --------------------------------------------------------------
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import cuda_available, cuda_skip_reason
 from dlpack_capsule import capsule_claiming_device
 
-from specdecode import _C
+from specdecode import _C, ops
 
 TORCH_DTYPES = {
     torch.int32: "int32",
@@ -160,3 +161,25 @@ def test_negative_sizes_are_refused():
     status = torch.empty((9, 2), dtype=torch.int32)
     with pytest.raises(ValueError, match=r"parents: negative size in shape \[-5, 3\]"):
         _C.tree_info(cap, depth, None, num_nodes, status, 0)
+
+
+@pytest.mark.skipif(
+    not cuda_available() or torch.cuda.device_count() < 2,
+    reason=cuda_skip_reason() or "needs two CUDA devices",
+)
+def test_ops_on_another_gpu_leave_the_callers_current_device():
+    """An op switches to its arrays' device for its launches and gives the caller's current
+    device back (tests/test_cuda_emu.py checks the same on emulated devices, per op family)."""
+    torch.cuda.set_device(0)
+    parents = torch.tensor([[-1, 0, 0, 1]], dtype=torch.int32)
+    depth = ops.tree_info(parents.to("cuda:1")).depth
+    assert depth.device == torch.device("cuda:1")
+    assert torch.equal(depth.cpu(), ops.tree_info(parents).depth)
+    assert torch.cuda.current_device() == 0
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 64, generator=gen) for _ in range(3))
+    lens = torch.tensor([0], dtype=torch.int32)
+    out = ops.tree_attention(*(x.to("cuda:1") for x in (q, k, v, lens)))
+    assert torch.cuda.current_device() == 0
+    assert torch.allclose(out.cpu(), ops.tree_attention(q, k, v, lens), atol=1e-5)
+    assert torch.empty(1, device="cuda").device == torch.device("cuda:0")

@@ -55,10 +55,12 @@ PYBIND11_MODULE(_cuda_emu, m) {
         d["warp_syncs"] = s.warp_syncs;
         d["shuffles"] = s.shuffles;
         d["mmas"] = s.mmas;
+        d["launch_device"] = s.launch_device;
         return d;
       },
       "Counters since the last reset_stats(): launches, blocks, threads, released block "
-      "barriers, warp syncs, shuffles and tensor-core products (mma.sync).");
+      "barriers, warp syncs, shuffles and tensor-core products (mma.sync); launch_device, the "
+      "device current at the last launch (-1 before one).");
   m.def("reset_stats", &sd::emu::reset_stats);
   m.def(
       "set_compute_capability",
@@ -73,6 +75,33 @@ PYBIND11_MODULE(_cuda_emu, m) {
       "The compute capability the emulated device reports (default 9.0); below 8.0 the "
       "launchers take their paths without tensor cores.");
 
+  m.def(
+      "reset_devices",
+      [](int count, int array_device) {
+        if (count < 1 || array_device < 0) {
+          throw py::value_error("reset_devices: expected count >= 1 and array_device >= 0, got " +
+                                std::to_string(count) + " and " + std::to_string(array_device));
+        }
+        sd::emu::reset_devices(count, array_device);
+      },
+      py::arg("count") = 1, py::arg("array_device") = 0,
+      "`count` emulated devices (default 1), none with an active primary context, device 0 "
+      "current on the calling thread; the ops' host arrays are on `array_device` (which may "
+      "name a device the emulator lacks, to test the ops' error).");
+  m.def("current_device", &sd::emu::current_device,
+        "The calling thread's current emulated device (cudaGetDevice).");
+  m.def(
+      "set_device",
+      [](int device) {
+        const cudaError_t err = sd::emu::set_current_device(device);
+        cudaGetLastError();
+        if (err != cudaSuccess) throw py::value_error(sd::emu::last_message());
+      },
+      py::arg("device"),
+      "cudaSetDevice on the calling thread, as a caller such as torch does (activates the "
+      "device's primary context).");
+  m.def("primary_context_active", &sd::emu::primary_context_active, py::arg("device"),
+        "Whether an emulated device's primary context is active (cuDevicePrimaryCtxGetState).");
   m.def(
       "_selftest_shuffles",
       [](py::handle out_obj) {

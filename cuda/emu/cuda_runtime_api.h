@@ -54,6 +54,7 @@ enum cudaError_t {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevice = 101,
   cudaErrorLaunchFailure = 719,
 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
@@ -129,9 +130,23 @@ int max_shared_optin();
 // depend on filling the device.
 constexpr int kMultiProcessors = 4;
 
-// Counters since the last reset, for tests that a path really ran through the emulator.
+// Devices: `count` alike emulated devices (default 1). Each host thread has a current device (0
+// until cudaSetDevice), and each device a primary context, made active by cudaSetDevice or a
+// launch on it (as on CUDA 12 and later) and inactive again only by reset_devices. Host arrays
+// given to the ops are on device `array_device` (default 0): tests set it apart from the current
+// device to check that an op runs on its arrays' device and gives the caller's back.
+void reset_devices(int count, int array_device);
+int device_count();
+int array_device();
+int current_device();
+cudaError_t set_current_device(int device);
+bool primary_context_active(int device);
+
+// Counters since the last reset, for tests that a path really ran through the emulator;
+// launch_device is the device current at the last launch (-1 before the first).
 struct Stats {
   uint64_t launches, blocks, threads, block_barriers, warp_syncs, shuffles, mmas;
+  int launch_device = -1;
 };
 Stats stats();
 void reset_stats();
@@ -239,11 +254,12 @@ inline int max(int a, int b) { return a > b ? a : b; }
 
 inline cudaError_t cudaGetLastError() { return ::sd::emu::take_last_error(); }
 inline cudaError_t cudaGetDevice(int* device) {
-  *device = 0;
+  *device = ::sd::emu::current_device();
   return cudaSuccess;
 }
+inline cudaError_t cudaSetDevice(int device) { return ::sd::emu::set_current_device(device); }
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
-  if (device != 0) return cudaErrorInvalidValue;
+  if (device < 0 || device >= ::sd::emu::device_count()) return cudaErrorInvalidDevice;
   switch (attribute) {
     case cudaDevAttrComputeCapabilityMajor:
       *value = ::sd::emu::compute_capability_major();

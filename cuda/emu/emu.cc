@@ -105,6 +105,8 @@ struct Emulator {
   std::mt19937_64 rng{0};
   Stats stats{};
   int cc_major = 9, cc_minor = 0;
+  int array_device = 0;
+  std::vector<bool> contexts = std::vector<bool>(1, false);  // one per device: active or not
   std::map<const void*, int> max_dynamic;
   std::vector<Stack> stacks;
   // The block being run.
@@ -133,6 +135,7 @@ Emulator& the_emulator() {
 thread_local cudaError_t t_last_error = cudaSuccess;
 thread_local std::string t_message;
 thread_local std::string t_reported;
+thread_local int t_device = 0;  // the current device, per host thread as in CUDA
 
 std::string dims(uint3 d) {
   return "(" + std::to_string(d.x) + ", " + std::to_string(d.y) + ", " + std::to_string(d.z) + ")";
@@ -531,7 +534,14 @@ cudaError_t run_grid(const void* kernel, dim3 grid, dim3 block, size_t smem,
                                                 " (cudaFuncSetAttribute raises the limit up to " +
                                                 std::to_string(kMaxShared) + ")");
   }
+  if (t_device >= static_cast<int>(e.contexts.size())) {
+    return set_error(cudaErrorInvalidDevice, "launch on device " + std::to_string(t_device) +
+                                                 ", but the emulator has " +
+                                                 std::to_string(e.contexts.size()));
+  }
   ++e.stats.launches;
+  e.stats.launch_device = t_device;
+  e.contexts[t_device] = true;
   e.body = &body;
   map_dynamic_shared(e, smem);
   const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
@@ -606,6 +616,47 @@ int max_shared_optin() {
   return 64 * 1024;
 }
 
+void reset_devices(int count, int array_device) {
+  Emulator& e = the_emulator();
+  std::lock_guard<std::mutex> lock(e.mutex);
+  e.contexts.assign(static_cast<size_t>(count), false);
+  e.array_device = array_device;
+  t_device = 0;
+}
+
+int device_count() {
+  Emulator& e = the_emulator();
+  std::lock_guard<std::mutex> lock(e.mutex);
+  return static_cast<int>(e.contexts.size());
+}
+
+int array_device() {
+  Emulator& e = the_emulator();
+  std::lock_guard<std::mutex> lock(e.mutex);
+  return e.array_device;
+}
+
+int current_device() { return t_device; }
+
+cudaError_t set_current_device(int device) {
+  Emulator& e = the_emulator();
+  std::lock_guard<std::mutex> lock(e.mutex);
+  if (device < 0 || device >= static_cast<int>(e.contexts.size())) {
+    return set_error(cudaErrorInvalidDevice, "device " + std::to_string(device) +
+                                                 ", but the emulator has " +
+                                                 std::to_string(e.contexts.size()));
+  }
+  t_device = device;
+  e.contexts[device] = true;
+  return cudaSuccess;
+}
+
+bool primary_context_active(int device) {
+  Emulator& e = the_emulator();
+  std::lock_guard<std::mutex> lock(e.mutex);
+  return device >= 0 && device < static_cast<int>(e.contexts.size()) && e.contexts[device];
+}
+
 Stats stats() {
   Emulator& e = the_emulator();
   std::lock_guard<std::mutex> lock(e.mutex);
@@ -631,6 +682,8 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "invalid configuration argument";
     case cudaErrorLaunchFailure:
       return "unspecified launch failure";
+    case cudaErrorInvalidDevice:
+      return "invalid device ordinal";
   }
   return "unknown error";
 }

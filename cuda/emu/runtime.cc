@@ -1,4 +1,4 @@
-// cuda/runtime.cuh for the CUDA emulator: one device, the host.
+// cuda/runtime.cuh for the CUDA emulator: its devices are the host (sd::emu::reset_devices).
 #include <string>
 
 #include "cuda_runtime_api.h"
@@ -9,17 +9,17 @@ namespace cuda {
 
 RuntimeInfo query_runtime() {
   RuntimeInfo info{};
-  info.devices.push_back(DeviceInfo{0, "specdecode CUDA emulator (host)",
-                                    emu::compute_capability_major(),
-                                    emu::compute_capability_minor(), 0});
+  for (int i = 0; i < emu::device_count(); ++i) {
+    info.devices.push_back(DeviceInfo{i, "specdecode CUDA emulator (host)",
+                                      emu::compute_capability_major(),
+                                      emu::compute_capability_minor(), 0});
+  }
   return info;
 }
 
-bool set_device(int index, std::string* error) {
-  if (index == 0) return true;
-  *error = "the CUDA emulator has one device, 0";
-  return false;
-}
+bool has_primary_context(int index) { return emu::primary_context_active(index); }
+
+int emulated_array_device() { return emu::array_device(); }
 
 std::string error_string(int code) {
   std::string s = cudaGetErrorString(static_cast<cudaError_t>(code));

@@ -14,6 +14,10 @@ Conventions shared by every op:
   top_p take either; a bool in a numeric list is a ``TypeError`` (torch would make it 1).
 * Every op validates dtype, shape, device, contiguity and value ranges before native code runs and
   raises ``TypeError`` / ``ValueError`` naming the argument and what was expected.
+* CUDA inputs run on the current stream of their own device, which the op makes the current
+  device for its launches only: the caller's current device is the same after the call, as
+  under torch's device guards (an op on ``cuda:1`` leaves ``torch.cuda.current_device()`` as
+  it was).
 * Ragged batches use -1 (:data:`PAD_TOKEN`) as padding for token ids and node indices.
 * Trees use one format everywhere (see :func:`tree_info`): node 0 is the root (the last
   committed token), parents come before children, rows are padded with -1.
