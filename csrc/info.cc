@@ -173,6 +173,9 @@ void register_info(py::module_& m) {
         "Internal: dtype, device, shape, strides (elements) and data pointer as consumed via "
         "DLPack.");
 #ifdef SPECDECODE_WITH_CUDA
+  m.def("_primary_context_active", &cuda::has_primary_context, py::arg("device"),
+        "Internal: whether a CUDA device's primary context is active, as the ops read it before "
+        "they give a caller's current device back (true where the driver cannot say).");
   m.attr("WITH_CUDA") = true;
 #else
   m.attr("WITH_CUDA") = false;

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
-from conftest import cuda_available, cuda_skip_reason
+from conftest import cuda_available, cuda_skip_reason, requires_cuda
 from dlpack_capsule import capsule_claiming_device
 
 from specdecode import _C, ops
@@ -163,6 +166,7 @@ def test_negative_sizes_are_refused():
         _C.tree_info(cap, depth, None, num_nodes, status, 0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not cuda_available() or torch.cuda.device_count() < 2,
     reason=cuda_skip_reason() or "needs two CUDA devices",
@@ -183,3 +187,23 @@ def test_ops_on_another_gpu_leave_the_callers_current_device():
     assert torch.cuda.current_device() == 0
     assert torch.allclose(out.cpu(), ops.tree_attention(q, k, v, lens), atol=1e-5)
     assert torch.empty(1, device="cuda").device == torch.device("cuda:0")
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_the_driver_says_which_primary_contexts_are_active(tmp_path):
+    """An op gives the caller's device back only where its primary context is active (making it
+    current would create one: device memory). The driver query behind that rule, in a fresh
+    process: no context on device 0 before torch first uses it, one after."""
+    code = (
+        "import torch\n"
+        "from specdecode import _C\n"
+        "before = _C._primary_context_active(0)\n"
+        "torch.zeros(1, device='cuda:0')\n"
+        "print(before, _C._primary_context_active(0))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "True"]
