@@ -9,10 +9,14 @@ T tree nodes) it times, best of N:
 * ``naive`` -- matmul -> masked_fill -> softmax -> matmul with the KV heads repeated for GQA.
 
 It also measures, in the same run, the machine's read bandwidth (``sum`` over a 512 MiB fp32
-tensor with the same thread count) and a practical peak (a 4096^3 matmul: fp32 on the CPU, whose
-kernels compute in fp32; fp32 and bf16 on a GPU, each dtype's rows against its own), and reports
-GB/s of KV that must be read (2 * B * (S + T) * Hkv * D * itemsize) and FLOP/s
-(4 * B * T * Hq * (S + T) * D) against them. For the memory-bound cases (T <= 4) the bandwidth is
+tensor with the same thread count) and a practical peak per dtype (a square matmul, 2048 on the
+CPU and 4096 on a GPU; for bf16 the faster of the bf16 and the fp32 matmul: on a CPU with
+AVX512_BF16 the bf16 kernels multiply bf16 pairs, as torch's bf16 matmul does, and elsewhere they
+widen to fp32), and reports GB/s of KV that must be read (2 * B * (S + T) * Hkv * D * itemsize)
+and FLOP/s (4 * B * T * Hq * (S + T) * D) against them. The memory-bound rows also give the KV
+GB/s the op would reach computing at the matmul's rate ("compute-bound at"): where that is
+below 60 % of the read bandwidth, the issue's T <= 4 goal is out of reach of any kernel that does
+the op's arithmetic, on that machine. For the memory-bound cases (T <= 4) the bandwidth is
 measured again interleaved with the op (alternating calls, best of each), so both see the same
 load from other processes on a shared machine; the "% bw" column uses that figure. A pure read of
 the op's own K and V tensors (torch ``sum``) is timed in the same rotation and reported next to
@@ -98,18 +102,19 @@ def kv_read(k: torch.Tensor, v: torch.Tensor):
 
 
 def machine_figures(device: torch.device, sync) -> tuple[float, dict[torch.dtype, float]]:
-    """(read GB/s, matmul GFLOP/s by dtype) measured now. The CPU kernels compute every dtype in
-    fp32, so on the CPU the fp32 matmul is the peak of all; on a GPU bf16 has its own (tensor
-    cores), against which the bf16 rows are reported."""
+    """(read GB/s, matmul GFLOP/s by dtype) measured now. Each dtype's rows are reported against
+    its own peak: bf16's is the faster of the bf16 matmul (tensor cores on a GPU, vdpbf16ps on a
+    CPU with AVX512_BF16, where the bf16 kernels multiply bf16 pairs too) and the fp32 one (a CPU
+    without it, where torch's bf16 matmul and the bf16 kernels widen to fp32)."""
     x = torch.empty(128 * 1024 * 1024, dtype=torch.float32, device=device).uniform_()
     bw = x.numel() * 4 / best_time(x.sum, sync=sync) / 1e9
     n = 4096 if device.type == "cuda" else 2048
     peaks = {}
-    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
+    for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         peaks[dtype] = 2 * n**3 / best_time(lambda a=a, b=b: a @ b, sync=sync) / 1e9
-    peaks.setdefault(torch.bfloat16, peaks[torch.float32])
+    peaks[torch.bfloat16] = max(peaks[torch.bfloat16], peaks[torch.float32])
     return bw, peaks
 
 
@@ -188,7 +193,7 @@ def main() -> None:
         print(f"# GPU: {torch.cuda.get_device_name(device)}")
     print(
         f"# measured read bandwidth {bw:.1f} GB/s, fp32 matmul {peaks[torch.float32]:.0f} GFLOP/s"
-        + (f", bf16 matmul {peaks[torch.bfloat16]:.0f} GFLOP/s" if device.type == "cuda" else "")
+        f", bf16 peak {peaks[torch.bfloat16]:.0f} GFLOP/s (the faster of its bf16 and fp32 matmul)"
     )
     print()
     if args.decode_sweep:
@@ -259,7 +264,9 @@ def run_case(batch, s, t, dtype, device, sync, probe, bw, peak, args) -> str:
             [ours, sdpa, probe.sum, kv_read(k, v)], sync=sync
         )
         case_bw = probe.numel() * 4 / t_sum / 1e9
-        kv_col = f" (KV read {kv_bytes / t_kv / 1e9:.1f})"
+        # At the matmul's rate the op's FLOPs take flops / peak seconds: the KV GB/s that allows.
+        bound = kv_bytes / (flops / (peak * 1e9)) / 1e9
+        kv_col = f" (KV read {kv_bytes / t_kv / 1e9:.1f}; compute-bound at {bound:.1f})"
     gbs = kv_bytes / t_ours / 1e9
     gfl = flops / t_ours / 1e9
     name = str(dtype).replace("torch.", "")
