@@ -10,6 +10,16 @@ from reference_models import BASE, hf_config, hf_logits, hf_model, randomize, tr
 from specdecode.models import ModelConfig, Transformer
 
 FAMILIES = ["llama", "qwen2", "mistral"]
+# Llama 3.1's RoPE scaling with a short pretraining context, so that the tiny models' positions
+# and head dim reach all three bands (kept, blended, stretched).
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+ROPE_SCALINGS = {"linear": {"rope_type": "linear", "factor": 2.5}, "llama3": LLAMA3}
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -37,7 +47,19 @@ def test_config_defaults():
     [
         ({"num_key_value_heads": 3}, ValueError, "num_key_value_heads"),
         ({"model_type": "gpt2"}, ValueError, "model_type"),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ValueError, "rope_scaling"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ValueError, "rope_scaling"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, ValueError, "rope_scaling"),
+        ({"rope_scaling": {"rope_type": "linear"}}, TypeError, "factor"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0.0}}, ValueError, "factor"),
+        ({"rope_scaling": "linear"}, TypeError, "rope_scaling"),
+        ({"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}}, ValueError, "high_freq_factor"),
+        ({"rope_scaling": {**LLAMA3, "low_freq_factor": None}}, TypeError, "low_freq_factor"),
+        (
+            {"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 0}},
+            ValueError,
+            "original_max_position_embeddings",
+        ),
+        ({"rope_scaling": {**LLAMA3, "partial_rotary_factor": 0.5}}, ValueError, "partial"),
         ({"vocab_size": 0}, ValueError, "vocab_size"),
         ({"hidden_size": 130, "num_attention_heads": 4}, ValueError, "head_dim"),
         ({"head_dim": 63}, ValueError, "head_dim"),
@@ -103,8 +125,10 @@ def test_config_from_transformers_configs():
         ({"model_type": "gpt2"}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_parameters"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"rope_parameters": "llama3"}, "rope_parameters"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"rope_parameters": None, "rope_scaling": [2.0]}, "rope_scaling"),
     ],
 )
 def test_config_from_hf_rejects_unsupported(change, match):
@@ -112,6 +136,54 @@ def test_config_from_hf_rejects_unsupported(change, match):
     hf.update(change)
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_config(hf)
+
+
+def test_config_rope_scaling_forms():
+    """Both transformers spellings read into one normalised dict; llama3 without a pretraining
+    context takes max_position_embeddings (as transformers does); 'default' is plain RoPE."""
+    c = tiny_config(rope_scaling={"type": "linear", "factor": 2})
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    partial = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
+    c = tiny_config(rope_scaling=partial)
+    assert c.rope_scaling["original_max_position_embeddings"] == BASE["max_position_embeddings"]
+    assert tiny_config(rope_scaling={"rope_type": "default"}).rope_scaling is None
+    legacy = hf_config("llama").to_dict()
+    legacy.pop("rope_parameters")
+    legacy.update(rope_theta=500.0, rope_scaling={"type": "linear", "factor": 3.0})
+    c = ModelConfig.from_hf_config(legacy)
+    assert (c.rope_theta, c.rope_scaling) == (500.0, {"rope_type": "linear", "factor": 3.0})
+
+
+@pytest.mark.parametrize("scaling", sorted(ROPE_SCALINGS))
+def test_config_rope_scaling_roundtrip(scaling):
+    ours = tiny_config(rope_scaling=ROPE_SCALINGS[scaling])
+    hf = ours.to_hf_config()
+    assert ModelConfig.from_hf_config(json.loads(json.dumps(hf))) == ours
+    theirs = transformers.AutoConfig.for_model(**hf)
+    assert theirs.rope_parameters["rope_type"] == scaling
+    assert theirs.rope_parameters["factor"] == ours.rope_scaling["factor"]
+    assert ModelConfig.from_hf_config(theirs.to_dict()) == ours
+
+
+@pytest.mark.parametrize("scaling", sorted(ROPE_SCALINGS))
+def test_scaled_rope_checkpoint_has_transformers_logits(tmp_path, scaling):
+    """A Llama checkpoint with scaled RoPE (Llama 3.1-3.3 write llama3) loads with the logits
+    transformers computes, over positions past the pretraining context; and ours loads there."""
+    rope = {**ROPE_SCALINGS[scaling], "rope_theta": BASE["rope_theta"]}
+    theirs = hf_model("llama", rope_parameters=rope)
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours = Transformer.from_pretrained(tmp_path / "theirs")
+    assert ours.config.rope_scaling == ROPE_SCALINGS[scaling]
+    ids = _ids(2, 90, seed=7)
+    expected = hf_logits(theirs, ids)
+    torch.testing.assert_close(ours.forward_train(ids), expected, rtol=1e-4, atol=1e-4)
+    # The scaling matters to these logits: plain RoPE gives others.
+    plain = Transformer(ModelConfig.from_hf_config(hf_config("llama").to_dict()))
+    plain.load_state_dict(ours.state_dict())
+    assert float((plain.forward_train(ids) - expected).detach().abs().max()) > 0.05
+    ours.save_pretrained(tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    torch.testing.assert_close(hf_logits(again, ids), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_config_from_hf_missing_size():

@@ -16,6 +16,14 @@ from specdecode.models import CausalLM, HFCausalLM, ModelConfig, Transformer
 from specdecode import ops
 
 V = BASE["vocab_size"]
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": BASE["rope_theta"],
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 TOL = dict(rtol=1e-4, atol=1e-4)
 # Parents of a 7-node draft tree: root 0 with children 1, 2; 1 has 3, 4; 2 has 5; 3 has 6.
 TREE = [-1, 0, 0, 1, 1, 2, 3]
@@ -40,7 +48,10 @@ def make_models(family: str, attention: str = "auto"):
         theirs = gpt2_model()
         return HFCausalLM(theirs), lambda ids: hf_logits(theirs, ids)
     hf_kind, _, which = family.partition(":")
-    theirs = hf_model(hf_kind)
+    # "llama:llama3": Llama 3.1's scaled RoPE, its pretraining context short enough that the
+    # tests' positions and head dim reach all of its frequency bands.
+    rope = {"rope_parameters": LLAMA3_ROPE} if which == "llama3" else {}
+    theirs = hf_model(hf_kind, **rope)
     if which == "hf":
         return HFCausalLM(theirs), lambda ids: hf_logits(theirs, ids)
     ours = Transformer(ModelConfig.from_hf_config(theirs.config.to_dict()))
@@ -60,7 +71,7 @@ def prefill(model: CausalLM, cache, prompts: list[list[int]]) -> torch.Tensor:
     return logits
 
 
-FAMILIES = ["llama", "qwen2", "mistral", "llama:hf", "qwen2:hf", "gpt2"]
+FAMILIES = ["llama", "qwen2", "mistral", "llama:hf", "qwen2:hf", "gpt2", "llama:llama3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,6 +22,9 @@ import os
 from typing import Any, Optional, Union
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
+# RoPE variants besides plain RoPE: position-independent rescalings of the frequencies. Dynamic
+# NTK and YaRN change with the sequence length or scale the attention, and are refused.
+ROPE_SCALINGS = ("linear", "llama3")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -45,6 +48,44 @@ def _check_float(name: str, value: Any, positive: bool = True) -> None:
         raise TypeError(f"{name}: expected a float, got {type(value).__name__} ({value!r})")
     if not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"{name}: expected a finite float > 0, got {value}")
+
+
+def _rope_scaling(scaling: Any, max_position_embeddings: int) -> Optional[dict]:
+    """``rope_scaling`` in the one form a ModelConfig keeps (None for plain RoPE).
+
+    Takes the transformers 4 spelling (``type``) and the 5 one (``rope_type``, as in
+    ``rope_parameters``, whose ``rope_theta`` is read elsewhere). ``llama3`` without
+    ``original_max_position_embeddings`` takes ``max_position_embeddings``, as transformers does.
+    """
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise TypeError(f"rope_scaling: expected a dict or None, got {type(scaling).__name__}")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_SCALINGS:
+        raise ValueError(
+            f"rope_scaling: rope_type {rope_type!r} is not supported (plain RoPE, "
+            f"{', '.join(repr(t) for t in ROPE_SCALINGS)}): got {scaling!r}"
+        )
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("rope_scaling: partial_rotary_factor must be 1 (RoPE on the whole head)")
+    _check_float("rope_scaling['factor']", scaling.get("factor"))
+    out: dict[str, Any] = {"rope_type": rope_type, "factor": float(scaling["factor"])}
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor"):
+            _check_float(f"rope_scaling[{key!r}]", scaling.get(key))
+            out[key] = float(scaling[key])
+        if out["high_freq_factor"] <= out["low_freq_factor"]:
+            raise ValueError(
+                "rope_scaling: high_freq_factor must exceed low_freq_factor, got "
+                f"{out['high_freq_factor']} and {out['low_freq_factor']}"
+            )
+        original = scaling.get("original_max_position_embeddings", max_position_embeddings)
+        _check_int("rope_scaling['original_max_position_embeddings']", original, 1)
+        out["original_max_position_embeddings"] = original
+    return out
 
 
 def _token_ids(name: str, value: Any) -> None:
@@ -71,7 +112,14 @@ class ModelConfig:
     rms_norm_eps : float
         Epsilon of every RMSNorm.
     rope_theta : float
-        RoPE base. ``rope_scaling`` must be None: scaled RoPE variants are not implemented.
+        RoPE base.
+    rope_scaling : dict, optional
+        None for plain RoPE, else a rescaling of its frequencies, as in transformers:
+        ``{"rope_type": "linear", "factor": f}`` (every frequency divided by ``f``) or
+        ``{"rope_type": "llama3", "factor": f, "low_freq_factor": lo, "high_freq_factor": hi,
+        "original_max_position_embeddings": n}`` (Llama 3.1-3.3: wavelengths above ``n / lo``
+        divided by ``f``, below ``n / hi`` kept, blended between). Dynamic NTK and YaRN are
+        refused.
     max_position_embeddings : int
         The longest sequence (prompt + generation) a KV cache may hold.
     tie_word_embeddings : bool
@@ -145,11 +193,7 @@ class ModelConfig:
         _check_float("rms_norm_eps", self.rms_norm_eps)
         _check_float("rope_theta", self.rope_theta)
         _check_float("initializer_range", self.initializer_range)
-        if self.rope_scaling is not None:
-            raise ValueError(
-                f"rope_scaling: only plain RoPE (rope_scaling=None) is supported, got "
-                f"{self.rope_scaling!r}"
-            )
+        self.rope_scaling = _rope_scaling(self.rope_scaling, self.max_position_embeddings)
         for name in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -226,27 +270,17 @@ class ModelConfig:
             raise ValueError("mlp_bias: MLP biases are not supported")
 
         rope_theta = hf.get("rope_theta")
+        scaling = hf.get("rope_scaling")
         params = hf.get("rope_parameters")
         if params is not None:
+            # transformers 5: the RoPE base and its scaling in one dict (which it may mirror
+            # into rope_scaling); it wins over the transformers 4 keys.
             if not isinstance(params, dict):
                 raise ValueError(f"rope_parameters: expected a dict, got {params!r}")
-            rope_type = params.get("rope_type", params.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(
-                    f"rope_parameters: only rope_type 'default' is supported, got {rope_type!r}"
-                )
             rope_theta = params.get("rope_theta", rope_theta)
-        scaling = hf.get("rope_scaling")
-        if scaling is not None:
-            rope_type = (
-                scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-            )
-            # transformers 5 mirrors rope_parameters into rope_scaling; plain RoPE is fine.
-            if rope_type != "default":
-                raise ValueError(
-                    "rope_scaling: only plain RoPE (rope_scaling=None) is supported, got "
-                    f"{scaling!r}"
-                )
+            scaling = params
+        elif scaling is not None and not isinstance(scaling, dict):
+            raise ValueError(f"rope_scaling: expected a dict, got {scaling!r}")
         if rope_theta is None:
             rope_theta = 10000.0
 
@@ -284,6 +318,7 @@ class ModelConfig:
         return cls(
             model_type=model_type,
             rope_theta=float(rope_theta),
+            rope_scaling=scaling,  # normalised (or refused) by __post_init__
             sliding_window=sliding_window,
             **kwargs,
         )
@@ -307,8 +342,11 @@ class ModelConfig:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "rope_parameters": {
+                **(self.rope_scaling or {"rope_type": "default"}),
+                "rope_theta": self.rope_theta,
+            },
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "initializer_range": self.initializer_range,

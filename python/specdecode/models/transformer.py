@@ -67,6 +67,32 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The RoPE frequencies of a config, float32 ``[head_dim / 2]``: ``rope_theta ** (-2i / D)``,
+    rescaled by ``config.rope_scaling`` (linear, or Llama 3's by wavelength), in float32 and in
+    the order of operations transformers uses, so that the angles match its to the last bit."""
+    d = config.head_dim
+    steps = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
+    inv_freq = 1.0 / (config.rope_theta**steps)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: measured against the pretraining context n, wavelengths longer than n / low are
+    # stretched by `factor`, shorter than n / high kept, and those between blended linearly in
+    # n / wavelength (the blend is 0 at n / low and 1 at n / high, so the bands join).
+    n = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    blend = (n / wavelen - low) / (high - low)
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    scaled = torch.where(wavelen > n / low, inv_freq / factor, inv_freq)
+    between = (wavelen >= n / high) & (wavelen <= n / low)
+    return torch.where(between, blended, scaled)
+
+
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x ``[B, T, H, D]``; cos/sin ``[B, T, D]`` (non-interleaved halves, the HF convention)."""
     return x * cos.unsqueeze(2) + _rotate_half(x) * sin.unsqueeze(2)
@@ -409,9 +435,7 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float32 from integer positions, then cast: the transformers computation. The
         # frequencies are recomputed (not a buffer) so that .to(dtype) can never round them.
-        d = self.config.head_dim
-        steps = torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d
-        inv_freq = 1.0 / (self.config.rope_theta**steps)
+        inv_freq = _rope_inv_freq(self.config, positions.device)
         freqs = positions[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
