@@ -253,7 +253,11 @@ class ModelConfig:
         Raises
         ------
         ValueError
-            An unsupported model type, activation, MLP bias, RoPE scaling, or a missing size.
+            An unsupported model type, activation, MLP bias, RoPE scaling (dynamic NTK, YaRN),
+            a RoPE scaling parameter out of range, or a missing size.
+        TypeError
+            ``hf`` is not a dict, or a size or RoPE scaling parameter has the wrong type (a
+            ``llama3`` scaling without ``low_freq_factor``, say).
         """
         if not isinstance(hf, dict):
             raise TypeError(f"hf: expected a dict (a parsed config.json), got {type(hf).__name__}")
