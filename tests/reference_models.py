@@ -26,6 +26,18 @@ BASE = dict(
 )
 
 
+# Llama 3.1's RoPE scaling with a pretraining context of 32 tokens, so that the head dim of 64
+# (wavelengths about 6 to 5000 at BASE's rope_theta) falls into all three of its bands: kept (below
+# 32 / 4), blended, stretched (above 32 / 1).
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
 def hf_config(model_type: str, **overrides: Any):
     """A transformers config object of the given family."""
     kwargs = dict(BASE)

@@ -6,19 +6,19 @@ import json
 
 import pytest
 import torch
-from reference_models import BASE, hf_config, hf_logits, hf_model, randomize, transformers
+from reference_models import (
+    BASE,
+    LLAMA3_ROPE_SCALING,
+    hf_config,
+    hf_logits,
+    hf_model,
+    randomize,
+    transformers,
+)
 from specdecode.models import ModelConfig, Transformer
 
 FAMILIES = ["llama", "qwen2", "mistral"]
-# Llama 3.1's RoPE scaling with a short pretraining context, so that the tiny models' positions
-# and head dim reach all three bands (kept, blended, stretched).
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
+LLAMA3 = LLAMA3_ROPE_SCALING
 ROPE_SCALINGS = {"linear": {"rope_type": "linear", "factor": 2.5}, "llama3": LLAMA3}
 
 

@@ -10,20 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from reference_models import BASE, gpt2_model, hf_logits, hf_model
+from reference_models import BASE, LLAMA3_ROPE_SCALING, gpt2_model, hf_logits, hf_model
 from specdecode.models import CausalLM, HFCausalLM, ModelConfig, Transformer
 
 from specdecode import ops
 
 V = BASE["vocab_size"]
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": BASE["rope_theta"],
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
 TOL = dict(rtol=1e-4, atol=1e-4)
 # Parents of a 7-node draft tree: root 0 with children 1, 2; 1 has 3, 4; 2 has 5; 3 has 6.
 TREE = [-1, 0, 0, 1, 1, 2, 3]
@@ -48,9 +40,9 @@ def make_models(family: str, attention: str = "auto"):
         theirs = gpt2_model()
         return HFCausalLM(theirs), lambda ids: hf_logits(theirs, ids)
     hf_kind, _, which = family.partition(":")
-    # "llama:llama3": Llama 3.1's scaled RoPE, its pretraining context short enough that the
-    # tests' positions and head dim reach all of its frequency bands.
-    rope = {"rope_parameters": LLAMA3_ROPE} if which == "llama3" else {}
+    # "llama:llama3": Llama 3.1's scaled RoPE (all three of its frequency bands in use).
+    rope = {"rope_theta": BASE["rope_theta"], **LLAMA3_ROPE_SCALING}
+    rope = {"rope_parameters": rope} if which == "llama3" else {}
     theirs = hf_model(hf_kind, **rope)
     if which == "hf":
         return HFCausalLM(theirs), lambda ids: hf_logits(theirs, ids)
