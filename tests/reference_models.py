@@ -38,6 +38,21 @@ LLAMA3_ROPE_SCALING = {
 }
 
 
+# YaRN (Qwen2.5 / Qwen3's long-context setting) stretching the same 32-token context 8 times, to
+# BASE's max_position_embeddings of 256 (transformers warns when the two disagree), in the
+# explicit form a ModelConfig keeps. Over 32 positions the head dim of 64 has frequency index 0
+# turning more than beta_fast times (kept), indices 1-7 on the ramp, 8-31 interpolated.
+YARN_ROPE_SCALING = {
+    "rope_type": "yarn",
+    "factor": 8.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": True,
+    "attention_factor": 1.25,
+}
+
+
 def hf_config(model_type: str, **overrides: Any):
     """A transformers config object of the given family."""
     kwargs = dict(BASE)

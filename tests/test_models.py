@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from reference_models import (
     BASE,
     LLAMA3_ROPE_SCALING,
+    YARN_ROPE_SCALING,
     hf_config,
     hf_logits,
     hf_model,
@@ -19,7 +21,13 @@ from specdecode.models import ModelConfig, Transformer
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 LLAMA3 = LLAMA3_ROPE_SCALING
-ROPE_SCALINGS = {"linear": {"rope_type": "linear", "factor": 2.5}, "llama3": LLAMA3}
+YARN = YARN_ROPE_SCALING
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.5},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "llama3": LLAMA3,
+    "yarn": YARN,
+}
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -47,8 +55,19 @@ def test_config_defaults():
     [
         ({"num_key_value_heads": 3}, ValueError, "num_key_value_heads"),
         ({"model_type": "gpt2"}, ValueError, "model_type"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ValueError, "rope_scaling"),
-        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, ValueError, "rope_scaling"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, ValueError, "longrope"),
+        ({"rope_scaling": {"rope_type": "dynamic"}}, TypeError, "factor"),
+        ({"rope_scaling": {**YARN, "beta_fast": 1.0}}, ValueError, "beta_fast must exceed"),
+        ({"rope_scaling": {**YARN, "beta_slow": -1.0}}, ValueError, "beta_slow"),
+        ({"rope_scaling": {**YARN, "truncate": 1}}, TypeError, "truncate"),
+        ({"rope_scaling": {**YARN, "attention_factor": 0.0}}, ValueError, "attention_factor"),
+        ({"rope_scaling": {**YARN, "factor": "8"}}, TypeError, "factor"),
+        ({"rope_scaling": {"rope_type": "yarn", "mscale": "1"}}, TypeError, "mscale"),
+        (
+            {"rope_scaling": {**YARN, "original_max_position_embeddings": 32.0}},
+            TypeError,
+            "original_max_position_embeddings",
+        ),
         ({"rope_scaling": {"rope_type": "linear"}}, TypeError, "factor"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 0.0}}, ValueError, "factor"),
         ({"rope_scaling": "linear"}, TypeError, "rope_scaling"),
@@ -125,9 +144,9 @@ def test_config_from_transformers_configs():
         ({"model_type": "gpt2"}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
         ({"rope_parameters": "llama3"}, "rope_parameters"),
-        ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "su", "factor": 2.0}}, "'su'"),
         ({"rope_parameters": None, "rope_scaling": [2.0]}, "rope_scaling"),
     ],
 )
@@ -154,6 +173,47 @@ def test_config_rope_scaling_forms():
     assert (c.rope_theta, c.rope_scaling) == (500.0, {"rope_type": "linear", "factor": 3.0})
 
 
+def test_config_yarn_defaults():
+    """YaRN's optional parameters take transformers' defaults, stored: the pretraining context
+    max_position_embeddings, betas 32 and 1, truncated ramp, attention factor 0.1 ln(factor) + 1
+    (or the ratio of the two mscale corrections where both are given); no factor is the ratio of
+    the two contexts."""
+    c = tiny_config(rope_scaling={"type": "yarn", "factor": 4})
+    assert c.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": BASE["max_position_embeddings"],
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": True,
+        "attention_factor": pytest.approx(1 + 0.1 * math.log(4), abs=1e-15),
+    }
+    c = tiny_config(rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 64})
+    assert c.rope_scaling["factor"] == BASE["max_position_embeddings"] / 64
+    mscales = {"mscale": 1.0, "mscale_all_dim": 0.5}
+    c = tiny_config(rope_scaling={"rope_type": "yarn", "factor": 8.0, **mscales})
+    expected = (1 + 0.1 * math.log(8)) / (1 + 0.05 * math.log(8))
+    assert c.rope_scaling["attention_factor"] == pytest.approx(expected, abs=1e-15)
+    assert "mscale" not in c.rope_scaling
+    # A context not stretched: no correction.
+    c = tiny_config(rope_scaling={"rope_type": "yarn", "factor": 1.0})
+    assert c.rope_scaling["attention_factor"] == 1.0
+
+
+def test_config_top_level_pretraining_context_wins():
+    """A config.json with original_max_position_embeddings at the top level (Phi-3 style) uses
+    it over the scaling's own, as transformers does."""
+    for scaling in (LLAMA3, YARN):
+        hf = hf_config("llama").to_dict()
+        hf["rope_parameters"] = {**scaling, "rope_theta": BASE["rope_theta"]}
+        hf["original_max_position_embeddings"] = 64
+        c = ModelConfig.from_hf_config(hf)
+        assert c.rope_scaling["original_max_position_embeddings"] == 64
+        hf.pop("rope_parameters")
+        hf.update(rope_theta=BASE["rope_theta"], rope_scaling=dict(scaling))
+        assert ModelConfig.from_hf_config(hf) == c
+
+
 @pytest.mark.parametrize("scaling", sorted(ROPE_SCALINGS))
 def test_config_rope_scaling_roundtrip(scaling):
     ours = tiny_config(rope_scaling=ROPE_SCALINGS[scaling])
@@ -174,16 +234,46 @@ def test_scaled_rope_checkpoint_has_transformers_logits(tmp_path, scaling):
     theirs.save_pretrained(tmp_path / "theirs")
     ours = Transformer.from_pretrained(tmp_path / "theirs")
     assert ours.config.rope_scaling == ROPE_SCALINGS[scaling]
-    ids = _ids(2, 90, seed=7)
+    # Dynamic NTK: up to the model's whole length, where it is plain RoPE in transformers too.
+    ids = _ids(2, BASE["max_position_embeddings"] if scaling == "dynamic" else 90, seed=7)
     expected = hf_logits(theirs, ids)
     torch.testing.assert_close(ours.forward_train(ids), expected, rtol=1e-4, atol=1e-4)
-    # The scaling matters to these logits: plain RoPE gives others.
+    # The scaling matters to these logits: plain RoPE gives others (dynamic NTK: the same).
     plain = Transformer(ModelConfig.from_hf_config(hf_config("llama").to_dict()))
     plain.load_state_dict(ours.state_dict())
-    assert float((plain.forward_train(ids) - expected).detach().abs().max()) > 0.05
+    gap = float((plain.forward_train(ids) - expected).detach().abs().max())
+    assert gap < 1e-4 if scaling == "dynamic" else gap > 0.05
     ours.save_pretrained(tmp_path / "ours")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     torch.testing.assert_close(hf_logits(again, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"mscale": 1.0, "mscale_all_dim": 0.5},
+        {"attention_factor": 1.3, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+        {"original_max_position_embeddings": None, "top_level_context": 64},
+    ],
+    ids=["defaults", "mscales", "explicit", "top-level-context"],
+)
+def test_yarn_checkpoint_has_transformers_logits(tmp_path, options):
+    """Qwen2 checkpoints with YaRN in the forms its exports take (defaults left out, DeepSeek's
+    mscale pair, every parameter given, the pretraining context at the top level) give the
+    logits transformers computes, well past the pretraining context."""
+    options = dict(options)
+    top_level = options.pop("top_level_context", None)
+    rope = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}
+    rope = {k: v for k, v in {**rope, **options}.items() if v is not None}
+    extra = {} if top_level is None else {"original_max_position_embeddings": top_level}
+    theirs = hf_model("qwen2", rope_parameters={**rope, "rope_theta": BASE["rope_theta"]}, **extra)
+    theirs.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    assert ours.config.rope_scaling["original_max_position_embeddings"] == (top_level or 32)
+    ids = _ids(2, 90, seed=11)
+    expected = hf_logits(theirs, ids)
+    torch.testing.assert_close(ours.forward_train(ids), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_config_from_hf_missing_size():

@@ -10,7 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from reference_models import BASE, LLAMA3_ROPE_SCALING, gpt2_model, hf_logits, hf_model
+from reference_models import (
+    BASE,
+    LLAMA3_ROPE_SCALING,
+    YARN_ROPE_SCALING,
+    gpt2_model,
+    hf_logits,
+    hf_model,
+)
 from specdecode.models import CausalLM, HFCausalLM, ModelConfig, Transformer
 
 from specdecode import ops
@@ -40,9 +47,12 @@ def make_models(family: str, attention: str = "auto"):
         theirs = gpt2_model()
         return HFCausalLM(theirs), lambda ids: hf_logits(theirs, ids)
     hf_kind, _, which = family.partition(":")
-    # "llama:llama3": Llama 3.1's scaled RoPE (all three of its frequency bands in use).
-    rope = {"rope_theta": BASE["rope_theta"], **LLAMA3_ROPE_SCALING}
-    rope = {"rope_parameters": rope} if which == "llama3" else {}
+    # "llama:llama3": Llama 3.1's scaled RoPE (all three of its frequency bands in use);
+    # "qwen2:yarn": Qwen2.5's YaRN (cos and sin scaled too).
+    scalings = {"llama3": LLAMA3_ROPE_SCALING, "yarn": YARN_ROPE_SCALING}
+    rope = {}
+    if which in scalings:
+        rope = {"rope_parameters": {"rope_theta": BASE["rope_theta"], **scalings[which]}}
     theirs = hf_model(hf_kind, **rope)
     if which == "hf":
         return HFCausalLM(theirs), lambda ids: hf_logits(theirs, ids)
@@ -63,7 +73,16 @@ def prefill(model: CausalLM, cache, prompts: list[list[int]]) -> torch.Tensor:
     return logits
 
 
-FAMILIES = ["llama", "qwen2", "mistral", "llama:hf", "qwen2:hf", "gpt2", "llama:llama3"]
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "mistral",
+    "llama:hf",
+    "qwen2:hf",
+    "gpt2",
+    "llama:llama3",
+    "qwen2:yarn",
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

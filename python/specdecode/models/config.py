@@ -22,9 +22,14 @@ import os
 from typing import Any, Optional, Union
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
-# RoPE variants besides plain RoPE: position-independent rescalings of the frequencies. Dynamic
-# NTK and YaRN change with the sequence length or scale the attention, and are refused.
-ROPE_SCALINGS = ("linear", "llama3")
+# RoPE variants besides plain RoPE, all position-independent rescalings of the frequencies (YaRN
+# also scales cos and sin). Dynamic NTK rescales only past max_position_embeddings, where every
+# model and cache here refuses to go: up to it, its frequencies are plain RoPE's in transformers
+# too (so a verify pass over draft tokens rotates them as plain decoding would).
+ROPE_SCALINGS = ("linear", "dynamic", "llama3", "yarn")
+# The rope types whose pretraining context (original_max_position_embeddings) transformers takes
+# from a top-level key of config.json over the one inside the scaling dict.
+_ROPE_WITH_CONTEXT = ("llama3", "yarn")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -50,12 +55,79 @@ def _check_float(name: str, value: Any, positive: bool = True) -> None:
         raise ValueError(f"{name}: expected a finite float > 0, got {value}")
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times (1 when not stretched);
+    the paper's 0.1 ln(s) + 1, in transformers' order of operations."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_context(scaling: dict, max_position_embeddings: int) -> int:
+    """The pretraining context of a llama3 / YaRN scaling; max_position_embeddings when absent,
+    as transformers does."""
+    original = scaling.get("original_max_position_embeddings")
+    if original is None:
+        original = max_position_embeddings
+    _check_int("rope_scaling['original_max_position_embeddings']", original, 1)
+    return original
+
+
+def _llama3_scaling(scaling: dict, out: dict, max_position_embeddings: int) -> None:
+    for key in ("low_freq_factor", "high_freq_factor"):
+        _check_float(f"rope_scaling[{key!r}]", scaling.get(key))
+        out[key] = float(scaling[key])
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(
+            "rope_scaling: high_freq_factor must exceed low_freq_factor, got "
+            f"{out['high_freq_factor']} and {out['low_freq_factor']}"
+        )
+    out["original_max_position_embeddings"] = _rope_context(scaling, max_position_embeddings)
+
+
+def _yarn_scaling(scaling: dict, out: dict, max_position_embeddings: int) -> None:
+    """YaRN (Qwen2.5 / Qwen3's long-context setting) with every default of transformers made
+    explicit: beta_fast 32, beta_slow 1, truncate True, and the attention factor derived from
+    factor (and mscale / mscale_all_dim where both are given) unless stated."""
+    original = _rope_context(scaling, max_position_embeddings)
+    out["original_max_position_embeddings"] = original
+    if "factor" not in out:  # no factor: the ratio of the two contexts (DeepSeek's configs)
+        out["factor"] = max_position_embeddings / original
+    factor = out["factor"]
+    for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+        value = scaling.get(key)
+        if value is None:
+            value = default
+        _check_float(f"rope_scaling[{key!r}]", value)
+        out[key] = float(value)
+    if out["beta_fast"] <= out["beta_slow"]:
+        raise ValueError(
+            "rope_scaling: beta_fast must exceed beta_slow, got "
+            f"{out['beta_fast']} and {out['beta_slow']}"
+        )
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise TypeError(f"rope_scaling['truncate']: expected a bool, got {truncate!r}")
+    out["truncate"] = truncate
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        for key, value in (("mscale", mscale), ("mscale_all_dim", mscale_all)):
+            if value is not None:
+                _check_float(f"rope_scaling[{key!r}]", value, positive=False)
+        if mscale and mscale_all:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention = _yarn_mscale(factor)
+    _check_float("rope_scaling['attention_factor']", attention)
+    out["attention_factor"] = float(attention)
+
+
 def _rope_scaling(scaling: Any, max_position_embeddings: int) -> Optional[dict]:
     """``rope_scaling`` in the one form a ModelConfig keeps (None for plain RoPE).
 
     Takes the transformers 4 spelling (``type``) and the 5 one (``rope_type``, as in
-    ``rope_parameters``, whose ``rope_theta`` is read elsewhere). ``llama3`` without
-    ``original_max_position_embeddings`` takes ``max_position_embeddings``, as transformers does.
+    ``rope_parameters``, whose ``rope_theta`` is read elsewhere). ``llama3`` and ``yarn`` without
+    ``original_max_position_embeddings`` take ``max_position_embeddings``, as transformers does;
+    ``yarn``'s optional parameters are stored with their values (see _yarn_scaling).
     """
     if scaling is None:
         return None
@@ -71,20 +143,14 @@ def _rope_scaling(scaling: Any, max_position_embeddings: int) -> Optional[dict]:
         )
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("rope_scaling: partial_rotary_factor must be 1 (RoPE on the whole head)")
-    _check_float("rope_scaling['factor']", scaling.get("factor"))
-    out: dict[str, Any] = {"rope_type": rope_type, "factor": float(scaling["factor"])}
+    out: dict[str, Any] = {"rope_type": rope_type}
+    if rope_type != "yarn" or scaling.get("factor") is not None:
+        _check_float("rope_scaling['factor']", scaling.get("factor"))
+        out["factor"] = float(scaling["factor"])
     if rope_type == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor"):
-            _check_float(f"rope_scaling[{key!r}]", scaling.get(key))
-            out[key] = float(scaling[key])
-        if out["high_freq_factor"] <= out["low_freq_factor"]:
-            raise ValueError(
-                "rope_scaling: high_freq_factor must exceed low_freq_factor, got "
-                f"{out['high_freq_factor']} and {out['low_freq_factor']}"
-            )
-        original = scaling.get("original_max_position_embeddings", max_position_embeddings)
-        _check_int("rope_scaling['original_max_position_embeddings']", original, 1)
-        out["original_max_position_embeddings"] = original
+        _llama3_scaling(scaling, out, max_position_embeddings)
+    elif rope_type == "yarn":
+        _yarn_scaling(scaling, out, max_position_embeddings)
     return out
 
 
@@ -118,8 +184,15 @@ class ModelConfig:
         ``{"rope_type": "linear", "factor": f}`` (every frequency divided by ``f``) or
         ``{"rope_type": "llama3", "factor": f, "low_freq_factor": lo, "high_freq_factor": hi,
         "original_max_position_embeddings": n}`` (Llama 3.1-3.3: wavelengths above ``n / lo``
-        divided by ``f``, below ``n / hi`` kept, blended between). Dynamic NTK and YaRN are
-        refused.
+        divided by ``f``, below ``n / hi`` kept, blended between) or ``{"rope_type": "yarn",
+        "factor": f, "original_max_position_embeddings": n, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": True, "attention_factor": a}`` (YaRN, Qwen2.5 / Qwen3's long-context setting:
+        frequencies that turn fewer than ``beta_slow`` times over ``n`` positions divided by
+        ``f``, more than ``beta_fast`` times kept, ramped between; cos and sin multiplied by
+        ``a``, by default ``0.1 ln f + 1``; optional parameters left out take transformers'
+        defaults and are stored with them) or ``{"rope_type": "dynamic", "factor": f}`` (dynamic
+        NTK: plain RoPE up to ``max_position_embeddings``, the longest sequence a model takes,
+        beyond which it would rescale).
     max_position_embeddings : int
         The longest sequence (prompt + generation) a KV cache may hold.
     tie_word_embeddings : bool
@@ -253,8 +326,8 @@ class ModelConfig:
         Raises
         ------
         ValueError
-            An unsupported model type, activation, MLP bias, RoPE scaling (dynamic NTK, YaRN),
-            a RoPE scaling parameter out of range, or a missing size.
+            An unsupported model type, activation, MLP bias, RoPE scaling (LongRoPE), a RoPE
+            scaling parameter out of range, or a missing size.
         TypeError
             ``hf`` is not a dict, or a size or RoPE scaling parameter has the wrong type (a
             ``llama3`` scaling without ``low_freq_factor``, say).
@@ -287,6 +360,17 @@ class ModelConfig:
             raise ValueError(f"rope_scaling: expected a dict, got {scaling!r}")
         if rope_theta is None:
             rope_theta = 10000.0
+        if (
+            isinstance(scaling, dict)
+            and scaling.get("rope_type", scaling.get("type")) in _ROPE_WITH_CONTEXT
+            and hf.get("original_max_position_embeddings") is not None
+        ):
+            # A top-level pretraining context wins over the scaling's own, as in transformers
+            # (Phi-3 style exports write it there).
+            scaling = {
+                **scaling,
+                "original_max_position_embeddings": hf["original_max_position_embeddings"],
+            }
 
         sliding_window = hf.get("sliding_window")
         if model_type == "qwen2" and (

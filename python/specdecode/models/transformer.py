@@ -69,17 +69,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
     """The RoPE frequencies of a config, float32 ``[head_dim / 2]``: ``rope_theta ** (-2i / D)``,
-    rescaled by ``config.rope_scaling`` (linear, or Llama 3's by wavelength), in float32 and in
-    the order of operations transformers uses, so that the angles match its to the last bit."""
+    rescaled by ``config.rope_scaling`` (linear, Llama 3's by wavelength, YaRN's by turns; dynamic
+    NTK's is plain RoPE within the model's length), in float32 and in the order of operations
+    transformers uses, so that the angles match its to the last bit."""
     d = config.head_dim
     steps = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
-    inv_freq = 1.0 / (config.rope_theta**steps)
     scaling = config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(config.rope_theta**steps, d, config.rope_theta, scaling)
+    inv_freq = 1.0 / (config.rope_theta**steps)
     if scaling is None:
         return inv_freq
     factor = scaling["factor"]
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
+    if scaling["rope_type"] == "dynamic":
+        # Dynamic NTK changes the base only for sequences past max_position_embeddings, which
+        # forward_train and every cache refuse (ModelConfig.max_length): plain RoPE here.
+        return inv_freq
     # llama3: measured against the pretraining context n, wavelengths longer than n / low are
     # stretched by `factor`, shorter than n / high kept, and those between blended linearly in
     # n / wavelength (the blend is 0 at n / low and 1 at n / high, so the bands join).
@@ -91,6 +98,38 @@ def _rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -
     scaled = torch.where(wavelen > n / low, inv_freq / factor, inv_freq)
     between = (wavelen >= n / high) & (wavelen <= n / low)
     return torch.where(between, blended, scaled)
+
+
+def _yarn_dim(turns: float, d: int, base: float, context: int) -> float:
+    """The (fractional) frequency index whose wave turns ``turns`` times over ``context``
+    positions: index i turns context / (2 pi base^(2i / d)) times."""
+    return (d * math.log(context / (turns * 2 * math.pi))) / (2 * math.log(base))
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, d: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN: frequency indices below the one turning ``beta_fast`` times over the pretraining
+    context keep their frequency (extrapolated), those above the one turning ``beta_slow`` times
+    are divided by ``factor`` (interpolated), linearly ramped between (over whole indices where
+    ``truncate``). pos_freqs: float32 ``base ** (2i / d)``, ``[d / 2]``."""
+    context = scaling["original_max_position_embeddings"]
+    low = _yarn_dim(scaling["beta_fast"], d, base, context)
+    high = _yarn_dim(scaling["beta_slow"], d, base, context)
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:  # a ramp of zero width: transformers widens it by 0.001
+        high += 0.001
+    ramp = (torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)
+    keep = (1 - torch.clamp(ramp, 0, 1)).to(pos_freqs.device)
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (scaling["factor"] * pos_freqs)
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+def _rope_attention_factor(config: ModelConfig) -> float:
+    """The factor on cos and sin (so on every attention logit squared): YaRN's, else 1."""
+    scaling = config.rope_scaling
+    return scaling["attention_factor"] if scaling and scaling["rope_type"] == "yarn" else 1.0
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -438,7 +477,11 @@ class Transformer(nn.Module):
         inv_freq = _rope_inv_freq(self.config, positions.device)
         freqs = positions[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        factor = _rope_attention_factor(self.config)
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        return cos.to(dtype), sin.to(dtype)
 
     def _run(
         self,
