@@ -60,10 +60,13 @@ def hf_config(model_type: str, **overrides: Any):
     cls = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
     }[model_type]
     if model_type == "mistral":
         kwargs.setdefault("sliding_window", None)
+    if model_type == "qwen3":  # its head_dim defaults to 128 whatever the sizes
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     return cls(**kwargs)
 
 

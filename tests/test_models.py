@@ -19,7 +19,7 @@ from reference_models import (
 )
 from specdecode.models import ModelConfig, Transformer
 
-FAMILIES = ["llama", "qwen2", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 LLAMA3 = LLAMA3_ROPE_SCALING
 YARN = YARN_ROPE_SCALING
 ROPE_SCALINGS = {
@@ -108,9 +108,12 @@ def test_config_hf_roundtrip(family):
     ours = tiny_config(model_type=family, tie_word_embeddings=True, **overrides)
     hf = ours.to_hf_config()
     assert hf["architectures"] == [
-        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[
-            family
-        ]
+        {
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM",
+        }[family]
     ]
     assert ModelConfig.from_hf_config(json.loads(json.dumps(hf))) == ours
     # transformers reads the same numbers back.
@@ -352,6 +355,29 @@ def test_our_checkpoint_loads_in_transformers(tmp_path, family, tied):
     again = Transformer.from_pretrained(tmp_path)
     for k, v in ours.state_dict().items():
         assert torch.equal(v, again.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_qwen3_head_norms_with_a_head_dim_of_its_own(tmp_path, bias):
+    """Qwen3 as published: head_dim * heads != hidden_size (0.6B: 16 x 128 over 1024), q_norm /
+    k_norm on every head before RoPE, GQA; with attention_bias also an o bias, as transformers
+    builds it. Same logits on both paths, and the norms matter to them."""
+    sizes = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=bias)
+    theirs = hf_model("qwen3", **sizes)
+    assert (theirs.model.layers[0].self_attn.o_proj.bias is not None) == bias
+    theirs.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    assert (ours.config.head_dim, ours.config.o_bias) == (64, bias)
+    ids = _ids(2, 40, seed=9)
+    expected = hf_logits(theirs, ids)
+    torch.testing.assert_close(ours.forward_train(ids), expected, rtol=1e-4, atol=1e-4)
+    cache = ours.new_cache(2)
+    positions = torch.arange(40).expand(2, 40)
+    torch.testing.assert_close(ours(ids, positions, cache), expected, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        for layer in ours.model.layers:
+            layer.self_attn.k_norm.weight.fill_(1.0)
+    assert float((ours.forward_train(ids) - expected).detach().abs().max()) > 0.05
 
 
 def test_llama_attention_bias_and_gqa_groups(tmp_path):

@@ -79,6 +79,7 @@ FAMILIES = [
     "mistral",
     "llama:hf",
     "qwen2:hf",
+    "qwen3",
     "gpt2",
     "llama:llama3",
     "qwen2:yarn",

@@ -1,11 +1,13 @@
 """The configuration of a Llama-style decoder, and its translation to/from Hugging Face config.json.
 
-One :class:`ModelConfig` describes the three families :class:`~specdecode.models.Transformer`
+One :class:`ModelConfig` describes the four families :class:`~specdecode.models.Transformer`
 implements. They share one architecture (RMSNorm, RoPE, SwiGLU MLP, grouped-query attention,
 tied or untied embeddings) and differ only in details that the config states explicitly:
 
 * ``llama``: optional biases on q/k/v **and** o projections (``attention_bias``).
 * ``qwen2``: q/k/v biases always, no o bias (``attention_bias`` must be True).
+* ``qwen3``: an RMSNorm over each head of q and of k before RoPE (``q_norm`` / ``k_norm``, one
+  weight of ``head_dim`` each, shared by the heads); optional biases on q/k/v and o, as Llama.
 * ``mistral``: no biases; a sliding attention window.
 
 A sliding window ``W`` is honoured by refusing longer sequences: while every sequence is at most
@@ -21,7 +23,7 @@ import math
 import os
 from typing import Any, Optional, Union
 
-MODEL_TYPES = ("llama", "qwen2", "mistral")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE variants besides plain RoPE, all position-independent rescalings of the frequencies (YaRN
 # also scales cos and sin). Dynamic NTK rescales only past max_position_embeddings, where every
 # model and cache here refuses to go: up to it, its frequencies are plain RoPE's in transformers
@@ -34,6 +36,7 @@ _ROPE_WITH_CONTEXT = ("llama3", "yarn")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
 
@@ -164,7 +167,7 @@ def _token_ids(name: str, value: Any) -> None:
 
 @dataclasses.dataclass
 class ModelConfig:
-    """Hyperparameters of a Llama / Qwen2 / Mistral style decoder, named as in Hugging Face.
+    """Hyperparameters of a Llama / Qwen2 / Qwen3 / Mistral style decoder, named as in Hugging Face.
 
     Attributes
     ----------
@@ -198,10 +201,11 @@ class ModelConfig:
     tie_word_embeddings : bool
         ``lm_head.weight`` is ``model.embed_tokens.weight``.
     attention_bias : bool
-        Biases on the q/k/v projections (for ``llama`` also on o). Always True for ``qwen2``,
-        always False for ``mistral``.
+        Biases on the q/k/v projections (for ``llama`` and ``qwen3`` also on o). Always True
+        for ``qwen2``, always False for ``mistral``.
     model_type : str
-        ``"llama"``, ``"qwen2"`` or ``"mistral"``; decides the Hugging Face class on export.
+        ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"mistral"``; decides the Hugging Face class
+        on export (and, for ``qwen3``, the q/k norms).
     bos_token_id, eos_token_id, pad_token_id : int or list of int, optional
         Special token ids (``eos_token_id`` may be a list; ``pad_token_id`` -1 means none, as
         some Llama exports write it).
@@ -294,8 +298,13 @@ class ModelConfig:
 
     @property
     def o_bias(self) -> bool:
-        """Whether o_proj has a bias (Llama with attention_bias only)."""
-        return self.attention_bias and self.model_type == "llama"
+        """Whether o_proj has a bias (Llama and Qwen3 with attention_bias only)."""
+        return self.attention_bias and self.model_type in ("llama", "qwen3")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each head of q and of k is RMS-normalised before RoPE (Qwen3)."""
+        return self.model_type == "qwen3"
 
     @property
     def max_length(self) -> int:
@@ -317,7 +326,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Reads a Hugging Face ``config.json`` dict of a Llama, Qwen2 or Mistral model.
+        """Reads a Hugging Face ``config.json`` dict of a Llama, Qwen2, Qwen3 or Mistral model.
 
         Both the transformers 4 spelling (``rope_theta``, ``rope_scaling``) and the transformers 5
         one (``rope_parameters``) are accepted. Keys that do not affect the forward pass are
@@ -373,7 +382,7 @@ class ModelConfig:
             }
 
         sliding_window = hf.get("sliding_window")
-        if model_type == "qwen2" and (
+        if model_type in ("qwen2", "qwen3") and (
             not hf.get("use_sliding_window", False)
             or hf.get("max_window_layers", 0) >= hf.get("num_hidden_layers", 0)
         ):
@@ -412,7 +421,7 @@ class ModelConfig:
         )
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The ``config.json`` dict transformers loads as Llama/Qwen2/MistralForCausalLM.
+        """The ``config.json`` dict transformers loads as Llama/Qwen2/Qwen3/MistralForCausalLM.
 
         Written so that transformers 4.4x-4.5x (``rope_theta``) and 5.x (``rope_parameters``)
         both read it.
@@ -446,14 +455,16 @@ class ModelConfig:
         if self.model_type == "llama":
             hf["attention_bias"] = self.attention_bias
             hf["mlp_bias"] = False
-        elif self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen3"):
+            if self.model_type == "qwen3":
+                hf["attention_bias"] = self.attention_bias
             hf["use_sliding_window"] = self.sliding_window is not None
             hf["sliding_window"] = self.sliding_window
             # Every layer slides when a window is set: the conservative reading of a window.
             hf["max_window_layers"] = (
                 0 if self.sliding_window is not None else self.num_hidden_layers
             )
-        else:
+        elif self.model_type == "mistral":
             hf["sliding_window"] = self.sliding_window
         return hf
 

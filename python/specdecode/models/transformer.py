@@ -148,6 +148,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
+        # Qwen3: each head of q and k RMS-normalised (one weight shared by the heads) before RoPE.
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -161,6 +164,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = _apply_rope(q, cos, sin)
         k = _apply_rope(k, cos, sin)
         out = attend(layer, q, k, v)
@@ -228,6 +233,9 @@ class _LayerWeights(NamedTuple):
     ln1: torch.Tensor  # [H]
     qkv_t: torch.Tensor  # [H, (Hq + 2 Hkv) D]: q_proj, k_proj, v_proj columns side by side
     qkv_b: Optional[torch.Tensor]  # [(Hq + 2 Hkv) D] or None
+    # [Hq + Hkv, D]: q_norm's weight for each q head, then k_norm's for each k head (Qwen3), or
+    # None: one RMSNorm call normalises the q and k heads of the fused product together.
+    qk_norm: Optional[torch.Tensor]
     o_t: torch.Tensor  # [Hq D, H]
     o_b: Optional[torch.Tensor]
     ln2: torch.Tensor
@@ -340,10 +348,19 @@ class _InferenceWeights:
         qkv_b = None
         if a.q_proj.bias is not None:
             qkv_b = torch.cat((a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)).detach()
+        qk_norm = None
+        if a.q_norm is not None:
+            qk_norm = torch.cat(
+                (
+                    a.q_norm.weight.detach().expand(a.num_heads, -1),
+                    a.k_norm.weight.detach().expand(a.num_kv_heads, -1),
+                )
+            )
         return _LayerWeights(
             ln1=layer.input_layernorm.weight.detach(),
             qkv_t=_t(torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))),
             qkv_b=qkv_b,
+            qk_norm=qk_norm,
             o_t=_t(a.o_proj.weight),
             o_b=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
             ln2=layer.post_attention_layernorm.weight.detach(),
@@ -392,7 +409,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class Transformer(nn.Module):
-    """Llama / Qwen2 / Mistral style decoder (RMSNorm, RoPE, SwiGLU, GQA).
+    """Llama / Qwen2 / Qwen3 / Mistral style decoder (RMSNorm, RoPE, SwiGLU, GQA).
 
     Parameters
     ----------
@@ -780,6 +797,8 @@ class Transformer(nn.Module):
             qkv = _mm(_rms_norm(x, w.ln1, eps), w.qkv_t, w.qkv_b)
             # RoPE on q and k together: x * cos + rotate_half(x) * sin (see _InferenceWeights).
             qk = qkv[:, : q_size + kv_size].view(m_rows, hq + hkv, d)
+            if w.qk_norm is not None:
+                qk = _rms_norm(qk, w.qk_norm, eps)
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
             k_cache, v_cache = cache.k[i], cache.v[i]
             if sel is None:
@@ -925,7 +944,7 @@ class Transformer(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Union[torch.device, str, None] = None,
     ) -> Transformer:
-        """Loads a local Llama / Qwen2 / Mistral checkpoint (config.json + safetensors).
+        """Loads a local Llama / Qwen2 / Qwen3 / Mistral checkpoint (config.json + safetensors).
 
         Parameters
         ----------
