@@ -289,6 +289,27 @@ def test_generate_greedy_is_the_same_with_every_drafter(drafter, capsys):
 
 
 @requires_pycode
+@pytest.mark.parametrize("drafter", ["model", "model-tree", "combined"])
+def test_generate_with_a_confidence_floor_is_the_same_greedy_text(drafter, capsys):
+    """--stop-below ends the draft model's drafts early; the text is the autoregressive one."""
+    base = ["generate", PROMPT, "--max-new-tokens", "10", "--threads", "1", "--no-echo"]
+    code, want, _ = run_main(base + ["--drafter", "none"], capsys)
+    assert code == 0
+    code, got, err = run_main(base + ["--drafter", drafter, "--stop-below", "0.6"], capsys)
+    assert code == 0, err
+    assert got == want and want.strip()
+
+
+@pytest.mark.parametrize("drafter", ["cacheback", "none"])
+def test_stop_below_with_a_drafter_without_a_draft_model_is_an_error(drafter, capsys):
+    argv = ["generate", "x", "--drafter", drafter, "--stop-below", "0.5"]
+    line = _one_clean_line(*run_main(argv, capsys)[::2])
+    assert f"--stop-below: not used by --drafter {drafter}" in line, line
+    code, _, err = run_main(["generate", "x", "--drafter", "model", "--stop-below", "0"], capsys)
+    assert code == 2 and "--stop-below" in err
+
+
+@requires_pycode
 def test_generate_honours_sampling_options(pair, capsys):
     target, draft, tok = pair
     opts = ["--temperature", "0.9", "--top-k", "40", "--top-p", "0.9", "--seed", "7"]

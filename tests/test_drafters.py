@@ -362,6 +362,138 @@ def test_model_drafter_passes_only_fed_rows_as_real_tokens(mode):
     assert tree.parents.tolist() == expected.parents.tolist()
 
 
+def _top_probs(model, prompt, drafted):
+    """The draft model's largest next-token probability before each drafted token (softmax of
+    its raw logits over the prompt and the tokens drafted before it) -> ``[len(drafted)]``."""
+    import torch
+
+    seq = prompt + drafted
+    with torch.no_grad():
+        logits = model.forward_train(torch.tensor([seq]))[0].float()
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(drafted)]
+    return torch.softmax(rows, dim=-1).amax(dim=-1)
+
+
+def _floor_between(values):
+    """A floor strictly between the two middle values (no value lies on it)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _ends(tops, floor):
+    """Chain length under stop_below=floor: the index of the first top probability below it."""
+    return next((i for i, p in enumerate(tops) if p < floor), len(tops))
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_model_drafter_stop_below_ends_chains_where_the_draft_model_is_unsure(sample):
+    """Each chain is the full chain cut before the first node whose raw next-token distribution
+    has its largest probability below stop_below (the draws themselves unchanged: the rule reads
+    no draw); at least one chain ends early and one keeps a token."""
+    from specdecode.drafters import ModelDrafter
+
+    model = _tiny(4)
+    prompts = [[3, 4, 5], [9], [1, 2, 3, 4, 5, 6], [7, 7], [2, 8, 1]]
+    slots = list(range(len(prompts)))
+
+    def drafter(**extra):
+        d = ModelDrafter(model, k=5, **extra)
+        d.start(slots, prompts)
+        if sample:
+            n = len(slots)
+            d.configure(slots, temperature=[1.0] * n, top_k=[0] * n, top_p=[1.0] * n, seed=slots)
+        return d
+
+    full = drafter().propose(slots)
+    tops = [
+        _top_probs(model, p, full.tokens[b, 1:].tolist()).tolist() for b, p in enumerate(prompts)
+    ]
+    floor = _floor_between([p for row in tops for p in row])
+    ends = [_ends(row, floor) for row in tops]
+    assert min(ends) < 5 and max(ends) > 0, (ends, tops)
+    cut = drafter(stop_below=floor).propose(slots)
+    assert cut.num_nodes.tolist() == [e + 1 for e in ends]
+    for b, e in enumerate(ends):
+        assert cut.tokens[b, : e + 1].tolist() == full.tokens[b, : e + 1].tolist()
+        assert set(cut.tokens[b, e + 1 :].tolist()) <= {-1}
+        if sample:
+            assert bool((cut.draft_probs[b, :e] == full.draft_probs[b, :e]).all())
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_model_drafter_stop_below_one_drafts_nothing_after_the_catch_up(mode):
+    """No softmax is one-hot here, so a floor of 1 ends every draft at the root, after the one
+    pass that feeds the committed tokens."""
+    from specdecode.drafters import ModelDrafter
+
+    recorder = _NumNodesRecorder(_tiny(7))
+    options = {"k": 4} if mode == "chain" else {"k": 4, "branch": 2, "beam": 2, "max_nodes": 8}
+    d = ModelDrafter(recorder, mode=mode, stop_below=1.0, **options)
+    d.start([0, 1], [[3, 4, 5], [9, 1]])
+    recorder.seen.clear()
+    tree = d.propose([0, 1])
+    assert tree.num_nodes.tolist() == [1, 1]
+    assert len(recorder.seen) == 1
+    d.observe([0, 1], [[6], [2]])
+    assert d.propose([0, 1]).num_nodes.tolist() == [1, 1]
+
+
+def test_model_drafter_stop_below_keeps_confident_tree_children_only():
+    """Every node of a tree drafted with stop_below has a probability given its parent of at
+    least the floor, and the floor prunes: fewer nodes than without it."""
+    import torch
+    from specdecode.drafters import ModelDrafter
+
+    model = _tiny(6)
+    prompts = [[1, 2, 3], [7, 7]]
+    options = {"mode": "tree", "k": 4, "branch": 3, "beam": 3, "max_nodes": 12}
+
+    def conditional(b, tree, node):
+        path = []
+        while node > 0:
+            path.append(int(tree.tokens[b, node]))
+            node = int(tree.parents[b, node])
+        path.reverse()
+        seq = prompts[b] + path
+        with torch.no_grad():
+            logits = model.forward_train(torch.tensor([seq]))[0, len(seq) - 2].float()
+        return float(torch.softmax(logits, dim=-1)[path[-1]])
+
+    full = ModelDrafter(model, **options)
+    full.start([0, 1], prompts)
+    free = full.propose([0, 1])
+    probs = [conditional(b, free, i) for b in range(2) for i in range(1, int(free.num_nodes[b]))]
+    floor = _floor_between(probs)
+    d = ModelDrafter(model, stop_below=floor, **options)
+    d.start([0, 1], prompts)
+    tree = d.propose([0, 1])
+    info = tree_info(tree.parents)
+    assert info.num_nodes.tolist() == tree.num_nodes.tolist()
+    assert int(tree.num_nodes.sum()) < int(free.num_nodes.sum())
+    for b in range(2):
+        for i in range(1, int(tree.num_nodes[b])):
+            assert conditional(b, tree, i) >= floor - 1e-6
+
+
+def test_model_drafter_stop_below_decodes_as_the_target():
+    """Greedy decoding with a confidence floor gives the target's own greedy tokens, with fewer
+    drafted tokens than without the floor."""
+    from specdecode.drafters import ModelDrafter, NoDrafter
+
+    from specdecode import generate
+
+    target, draft = _tiny(4), _tiny(5)
+    prompts = [[1, 2, 3], [9], [4, 4, 4, 4]]
+    plain = generate(target, prompts, drafter=NoDrafter(), max_new_tokens=12)
+    free = generate(target, prompts, drafter=ModelDrafter(draft, k=4), max_new_tokens=12)
+    floored = generate(
+        target, prompts, drafter=ModelDrafter(draft, k=4, stop_below=0.3), max_new_tokens=12
+    )
+    assert floored.sequences == free.sequences == plain.sequences
+    assert sum(floored.stats.offered_by_position) < sum(free.stats.offered_by_position)
+
+
 def test_model_drafter_errors():
     from specdecode.drafters import ModelDrafter
 
@@ -371,6 +503,11 @@ def test_model_drafter_errors():
         ModelDrafter(_tiny(1), mode="beam")
     with pytest.raises(ValueError, match="k"):
         ModelDrafter(_tiny(1), k=0)
+    for bad in (0.0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="stop_below"):
+            ModelDrafter(_tiny(1), stop_below=bad)
+    with pytest.raises(TypeError, match="stop_below"):
+        ModelDrafter(_tiny(1), stop_below="0.5")
     d = ModelDrafter(_tiny(1))
     with pytest.raises(ValueError, match="vocabulary"):
         d.start([0], [[1, 29]])

@@ -275,20 +275,27 @@ def _dir_codec(directory: Path, option: str, target: Any) -> TextCodec:
     )
 
 
-def make_drafter(kind: str, loaded: LoadedModel, draft_dir: Optional[str], k: int) -> Any:
-    """The drafter named by ``--drafter`` for one sequence.
+def make_drafter(
+    kind: str,
+    loaded: LoadedModel,
+    draft_dir: Optional[str],
+    k: int,
+    stop_below: Optional[float] = None,
+) -> Any:
+    """The drafter named by ``--drafter`` for one sequence; ``stop_below`` is the draft model's
+    confidence floor (:class:`~specdecode.drafters.ModelDrafter`).
 
     Raises
     ------
     CLIError
-        An unknown drafter, a model drafter with no draft model, or ``draft_dir`` given to a
-        drafter that runs no draft model.
+        An unknown drafter, a model drafter with no draft model, or ``draft_dir`` or
+        ``stop_below`` given to a drafter that runs no draft model.
     """
     from .drafters import CachebackDrafter, ModelDrafter, NoDrafter
 
     if kind not in DRAFTERS:
         raise CLIError(f"--drafter: unknown drafter {kind!r} (choose from {', '.join(DRAFTERS)})")
-    _check_draft_model_option(kind, draft_dir)
+    _check_draft_model_option(kind, draft_dir, stop_below)
     if kind == "none":
         return NoDrafter()
     if kind == "cacheback":
@@ -308,29 +315,35 @@ def make_drafter(kind: str, loaded: LoadedModel, draft_dir: Optional[str], k: in
             f"{loaded.target.vocab_size}; draft and target must share one vocabulary"
         )
     if kind == "model":
-        return ModelDrafter(draft, mode="chain", k=k)
+        return ModelDrafter(draft, mode="chain", k=k, stop_below=stop_below)
     if kind == "combined":
-        return combined_drafter(draft, k)
-    return ModelDrafter(draft, mode="tree", k=k, branch=2, beam=4, max_nodes=16)
+        return combined_drafter(draft, k, stop_below)
+    return ModelDrafter(
+        draft, mode="tree", k=k, branch=2, beam=4, max_nodes=16, stop_below=stop_below
+    )
 
 
-def _check_draft_model_option(kind: str, draft_dir: Optional[str]) -> None:
-    """``--draft-model`` only with a drafter that runs a draft model: ignoring it would decode
-    with another method than the user asked for."""
-    if draft_dir is not None and kind not in MODEL_DRAFTERS:
-        raise CLIError(
-            f"--draft-model: not used by --drafter {kind} (only by --drafter "
-            f"{', '.join(MODEL_DRAFTERS)}); drop one of the two options"
-        )
+def _check_draft_model_option(
+    kind: str, draft_dir: Optional[str], stop_below: Optional[float] = None
+) -> None:
+    """``--draft-model`` and ``--stop-below`` only with a drafter that runs a draft model:
+    ignoring them would decode with another method than the user asked for."""
+    for option, value in (("--draft-model", draft_dir), ("--stop-below", stop_below)):
+        if value is not None and kind not in MODEL_DRAFTERS:
+            raise CLIError(
+                f"{option}: not used by --drafter {kind} (only by --drafter "
+                f"{', '.join(MODEL_DRAFTERS)}); drop one of the two options"
+            )
 
 
-def combined_drafter(draft: Any, k: int) -> Any:
+def combined_drafter(draft: Any, k: int, stop_below: Optional[float] = None) -> Any:
     """Cacheback first (its tree wherever the n-gram tables have a draft), the draft model's
     chain of ``k`` tokens where they have none: ``--drafter combined`` and the demo's row."""
     from .drafters import CachebackDrafter, CombinedDrafter, ModelDrafter
 
     return CombinedDrafter(
-        CachebackDrafter(max_sequences=1), ModelDrafter(draft, mode="chain", k=k)
+        CachebackDrafter(max_sequences=1),
+        ModelDrafter(draft, mode="chain", k=k, stop_below=stop_below),
     )
 
 
@@ -405,7 +418,7 @@ def _read_prompt(spec: str) -> str:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.drafter not in DRAFTERS:  # argparse checks choices; kept for direct callers
         raise CLIError(f"--drafter: unknown drafter {args.drafter!r}")
-    _check_draft_model_option(args.drafter, args.draft_model)
+    _check_draft_model_option(args.drafter, args.draft_model, args.stop_below)
     prompt = _read_prompt(args.prompt)
     threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
     device = _device_option(args.device)
@@ -424,7 +437,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"PROMPT: {len(ids)} tokens plus --max-new-tokens {args.max_new_tokens} exceed the "
             f"model's max length of {limit} tokens; shorten the prompt or lower --max-new-tokens"
         )
-    drafter = make_drafter(args.drafter, loaded, args.draft_model, args.k)
+    drafter = make_drafter(args.drafter, loaded, args.draft_model, args.k, args.stop_below)
 
     from .engine import generate
 
@@ -851,6 +864,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = off (default)")
     p_gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default random)")
     p_gen.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
+    p_gen.add_argument(
+        "--stop-below",
+        metavar="P",
+        type=_top_p,
+        default=None,
+        help="draft model drafters: end a draft where the draft model's top next-token "
+        "probability is below P, in (0, 1] (default: draft k tokens whatever the confidence)",
+    )
     _add_device_argument(p_gen)
     p_gen.add_argument(
         "--echo",

@@ -23,6 +23,7 @@ nothing.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
@@ -390,6 +391,12 @@ class NoDrafter:
 _DRAFT_SEED_STEP = 0x9E3779B97F4A7C15
 
 
+def _top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """The largest softmax probability of each row of float logits ``[B, V]`` -> ``[B]``; rows
+    with a non-finite logit give NaN, which compares below every floor."""
+    return torch.softmax(logits, dim=-1).amax(dim=-1)
+
+
 def _draft_seed(seed: torch.Tensor, depth: int) -> torch.Tensor:
     """int64 ``[B]``: the Philox key of depth ``depth``'s draws (wraps modulo 2**64)."""
     step = (_DRAFT_SEED_STEP * (depth + 1)) % (1 << 64)
@@ -428,6 +435,17 @@ class ModelDrafter:
     max_length : int, optional
         Tokens per sequence the drafter's KV cache holds (default: the model's max length).
         Drafts are shortened where a sequence nears it.
+    stop_below : float, optional
+        A confidence floor in ``(0, 1]`` (BiLD's fallback rule; transformers' assisted
+        generation calls it ``assistant_confidence_threshold``): the draft stops where the draft
+        model is unsure, so that the target verifies fewer hopeless tokens and the draft model
+        runs fewer passes. Chain mode: a sequence's chain ends before the first node at which
+        the draft model's largest next-token probability (softmax of its raw logits, before
+        temperature / top-k / top-p) is below ``stop_below``, possibly with no draft token at
+        all; the decision never depends on a sampled token, so sampled drafts stay lossless.
+        Tree mode: a child joins the pool only if its probability given its parent is at least
+        ``stop_below``. The passes stop once no sequence has a node left to extend. None (the
+        default) drafts ``k`` tokens / depths whatever the confidence.
 
     Notes
     -----
@@ -449,6 +467,7 @@ class ModelDrafter:
         beam: int = 4,
         max_nodes: int = 16,
         max_length: Optional[int] = None,
+        stop_below: Optional[float] = None,
     ) -> None:
         for attr in ("forward", "new_cache", "vocab_size", "max_length", "device"):
             if not hasattr(model, attr):
@@ -467,6 +486,15 @@ class ModelDrafter:
                 raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
             if not lo <= value <= hi:
                 raise ValueError(f"{name}: expected {lo} to {hi}, got {value}")
+        if stop_below is not None:
+            if isinstance(stop_below, bool) or not isinstance(stop_below, (int, float)):
+                raise TypeError(
+                    f"stop_below: expected a float or None, got {type(stop_below).__name__}"
+                )
+            if not 0.0 < stop_below <= 1.0:
+                raise ValueError(f"stop_below: expected a probability in (0, 1], got {stop_below}")
+            stop_below = float(stop_below)
+        self.stop_below = stop_below
         self.model = model
         # Whether the model's forward skips padding (num_nodes): then the rows a pass does not
         # feed, and the padding of shorter rows, cost it nothing (_forward_rows).
@@ -719,6 +747,13 @@ class ModelDrafter:
             offset = torch.tensor([len(self._seq[s]) for s in slots], dtype=torch.int64)
             for d in range(depth):
                 row_logits = logits.float().cpu()
+                if self.stop_below is not None:
+                    # The fallback rule: a row unsure of its next token drafts no more. It reads
+                    # the raw distribution only, never the draw, so sampling stays lossless.
+                    unsure = (_top_probability(row_logits) < self.stop_below) & (lengths > d)
+                    lengths[unsure] = d
+                if not bool((lengths > d).any()):
+                    break  # every chain has ended: no more draws or passes
                 if sampled:
                     # The target's processing (verify's), so that agreeing models also agree
                     # after top-k / top-p; the draw follows these rows exactly.
@@ -733,7 +768,7 @@ class ModelDrafter:
                 else:
                     nxt = row_logits.argmax(dim=1).to(torch.int32)
                 tokens[:, d + 1] = torch.where(lengths > d, nxt, -1)
-                if d + 1 < depth:
+                if d + 1 < depth and bool((lengths > d + 1).any()):
                     # Ended rows are fed token 0 (their K/V beyond the committed tokens is
                     # truncated on observe unless it matches them, as for any draft token).
                     step = [[max(int(x), 0)] for x in nxt]
@@ -764,6 +799,8 @@ class ModelDrafter:
                 self._fed[s].pop()
                 lengths[s] -= 1
             self.cache.truncate(lengths)
+        # stop_below as a log-probability floor on each child given its parent.
+        floor = None if self.stop_below is None else math.log(self.stop_below)
         for d in range(depth_limit):
             logp = torch.log_softmax(logits, dim=-1)
             top = torch.topk(logp, min(self.branch, logp.shape[-1]), dim=-1)
@@ -772,6 +809,8 @@ class ModelDrafter:
                 cand = []
                 for f, node in enumerate(frontier[b]):
                     for j in range(top.indices.shape[2]):
+                        if floor is not None and float(top.values[b, f, j]) < floor:
+                            break  # this child and the less likely ones after it
                         pool_tok[b].append(int(top.indices[b, f, j]))
                         pool_par[b].append(node)
                         pool_dep[b].append(d + 1)
@@ -780,7 +819,7 @@ class ModelDrafter:
                 cand.sort(key=lambda i, b=b: -pool_score[b][i])
                 new_frontier.append(cand[: self.beam])
             frontier = new_frontier
-            if d + 1 == depth_limit:
+            if d + 1 == depth_limit or not any(frontier):
                 break
             logits = self._score_frontier(slots, pool_tok, pool_par, pool_dep, frontier)
         return self._select(batch, pool_tok, pool_par, pool_dep, pool_score)
@@ -812,8 +851,10 @@ class ModelDrafter:
         before = self.cache.lengths.to("cpu", torch.int64).clone()
         logits = self._forward_rows(slots, rows, positions, parents).float().cpu()
         self.cache.truncate(before)
+        # A row whose frontier is empty (stop_below pruned every child) reads the root's
+        # logits as padding: with no frontier it expands nothing from them.
         f = max(len(w) for w in where)
-        idx = torch.tensor([w + [w[-1]] * (f - len(w)) for w in where])
+        idx = torch.tensor([w + [w[-1] if w else 0] * (f - len(w)) for w in where])
         return logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
     def _select(self, batch, pool_tok, pool_par, pool_dep, pool_score) -> DraftTree:
