@@ -251,6 +251,18 @@ def test_scaled_rope_checkpoint_has_transformers_logits(tmp_path, scaling):
     torch.testing.assert_close(hf_logits(again, ids), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_dynamic_ntk_refuses_positions_past_its_plain_range():
+    """Past max_position_embeddings dynamic NTK would rescale: a position there raises instead
+    of silently using plain RoPE (the cache limits every sequence to the range)."""
+    ours = Transformer(tiny_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    cache = ours.new_cache(1)
+    limit = BASE["max_position_embeddings"]
+    with pytest.raises(ValueError, match="dynamic NTK"):
+        ours(torch.tensor([[5]]), torch.tensor([[limit]]), cache)
+    logits = ours(torch.tensor([[5]]), torch.tensor([[limit - 1]]), cache)
+    assert bool(torch.isfinite(logits).all())
+
+
 @pytest.mark.parametrize(
     "options",
     [

@@ -491,6 +491,15 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float32 from integer positions, then cast: the transformers computation. The
         # frequencies are recomputed (not a buffer) so that .to(dtype) can never round them.
+        scaling = self.config.rope_scaling
+        limit = self.config.max_position_embeddings
+        if scaling and scaling["rope_type"] == "dynamic" and positions.numel():
+            if int(positions.max()) >= limit:
+                raise ValueError(
+                    f"positions: dynamic NTK RoPE rescales its frequencies past "
+                    f"max_position_embeddings = {limit}, which this model does not implement; "
+                    f"got position {int(positions.max())}"
+                )
         inv_freq = _rope_inv_freq(self.config, positions.device)
         freqs = positions[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
