@@ -53,6 +53,19 @@ YARN_ROPE_SCALING = {
 }
 
 
+# The mixture-of-experts families: 4 experts, 2 per token (Qwen3-MoE's experts narrower than its
+# dense MLP, with the renormalised router of Qwen3-30B-A3B's config).
+MOE_EXPERTS = {
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
 def hf_config(model_type: str, **overrides: Any):
     """A transformers config object of the given family."""
     kwargs = dict(BASE)
@@ -62,11 +75,16 @@ def hf_config(model_type: str, **overrides: Any):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "mixtral": transformers.MixtralConfig,
     }[model_type]
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         kwargs.setdefault("sliding_window", None)
-    if model_type == "qwen3":  # its head_dim defaults to 128 whatever the sizes
+    if model_type in ("qwen3", "qwen3_moe"):  # head_dim defaults to 128 whatever the sizes
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    if model_type in MOE_EXPERTS:
+        for key, value in MOE_EXPERTS[model_type].items():
+            kwargs.setdefault(key, value)
     return cls(**kwargs)
 
 

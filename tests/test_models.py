@@ -19,7 +19,19 @@ from reference_models import (
 )
 from specdecode.models import ModelConfig, Transformer
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]
+DENSE = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def family_overrides(family: str) -> dict:
+    """What a ModelConfig of the family needs beyond BASE (Qwen2's biases, the experts)."""
+    if family == "qwen2":
+        return {"attention_bias": True}
+    if family in ("qwen3_moe", "mixtral"):
+        return {"num_experts": 4, "num_experts_per_tok": 2}
+    return {}
+
+
 LLAMA3 = LLAMA3_ROPE_SCALING
 YARN = YARN_ROPE_SCALING
 ROPE_SCALINGS = {
@@ -104,8 +116,7 @@ def test_config_takes_pad_token_id_minus_one():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_config_hf_roundtrip(family):
-    overrides = {"attention_bias": True} if family == "qwen2" else {}
-    ours = tiny_config(model_type=family, tie_word_embeddings=True, **overrides)
+    ours = tiny_config(model_type=family, tie_word_embeddings=True, **family_overrides(family))
     hf = ours.to_hf_config()
     assert hf["architectures"] == [
         {
@@ -113,6 +124,8 @@ def test_config_hf_roundtrip(family):
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
             "mistral": "MistralForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+            "mixtral": "MixtralForCausalLM",
         }[family]
     ]
     assert ModelConfig.from_hf_config(json.loads(json.dumps(hf))) == ours
@@ -301,7 +314,7 @@ def test_config_from_hf_missing_size():
 # ---- parameter layout ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", DENSE)
 @pytest.mark.parametrize("tied", [False, True])
 def test_state_dict_is_hf_layout(family, tied):
     ours = Transformer(
@@ -313,6 +326,70 @@ def test_state_dict_is_hf_layout(family, tied):
     assert ours_shapes == theirs_shapes
     if tied:
         assert ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_state_dict_is_the_checkpoint_layout(tmp_path, family):
+    """Every tensor of a sparse model under the name and shape its Hugging Face checkpoints
+    use (experts one by one: Qwen3-MoE's mlp.experts.N.gate_proj, Mixtral's
+    block_sparse_moe.experts.N.w1; transformers fuses them in memory only)."""
+    from safetensors import safe_open
+
+    hf_model(family, mlp_only_layers=[0] if family == "qwen3_moe" else []).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        theirs = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    ours = Transformer(ModelConfig.from_json_file(tmp_path / "config.json"))
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == theirs
+    names = "mlp.experts.3.up_proj" if family == "qwen3_moe" else "block_sparse_moe.experts.3.w3"
+    assert f"model.layers.1.{names}.weight" in theirs
+    if family == "qwen3_moe":  # layer 0 is dense (mlp_only_layers)
+        assert "model.layers.0.mlp.up_proj.weight" in theirs
+
+
+@pytest.mark.parametrize(
+    "family, renormalise", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)]
+)
+def test_moe_routing_matches_transformers(tmp_path, family, renormalise):
+    """Logits equal to transformers' with every token routed to 2 of 4 experts, both router
+    normalisations (Mixtral always renormalises), on forward_train and the cached path; the
+    routing matters (another top k gives other logits)."""
+    extra = {"norm_topk_prob": renormalise} if family == "qwen3_moe" else {}
+    theirs = hf_model(family, **extra)
+    theirs.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    assert ours.config.norm_topk_prob == renormalise
+    # transformers' own state_dict (experts fused into [E, ...] tensors) loads to the same.
+    fused = Transformer(ours.config)
+    fused.load_state_dict(theirs.state_dict())
+    for key, value in ours.state_dict().items():
+        assert torch.equal(value, fused.state_dict()[key]), key
+    ids = _ids(2, 30, seed=4)
+    expected = hf_logits(theirs, ids)
+    torch.testing.assert_close(ours.forward_train(ids), expected, rtol=1e-4, atol=1e-4)
+    cache = ours.new_cache(2)
+    positions = torch.arange(30).expand(2, 30)
+    torch.testing.assert_close(ours(ids, positions, cache), expected, rtol=1e-4, atol=1e-4)
+    for layer in ours.model.layers:
+        layer.feed_forward.top_k = 1
+    assert float((ours.forward_train(ids) - expected).detach().abs().max()) > 0.05
+
+
+def test_moe_config_errors():
+    with pytest.raises(ValueError, match="num_experts"):
+        tiny_config(model_type="mixtral")
+    with pytest.raises(ValueError, match="dense"):
+        tiny_config(num_experts=4)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        tiny_config(model_type="qwen3_moe", num_experts=2, num_experts_per_tok=3)
+    with pytest.raises(ValueError, match="renormalises"):
+        tiny_config(model_type="mixtral", num_experts=4, norm_topk_prob=False)
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        tiny_config(model_type="qwen3_moe", num_experts=4, mlp_only_layers=[5])
+    with pytest.raises(TypeError, match="num_experts"):
+        tiny_config(model_type="qwen3_moe", num_experts=4.0)
+    c = tiny_config(model_type="qwen3_moe", num_experts=4, decoder_sparse_step=2)
+    assert [c.sparse_layer(i) for i in range(2)] == [False, True]
+    assert c.moe_intermediate_size == BASE["intermediate_size"]
 
 
 def test_init_matches_hf_scheme():
@@ -350,7 +427,7 @@ def test_hf_checkpoint_loads_with_same_logits(tmp_path, family, tied):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tied", [False, True])
 def test_our_checkpoint_loads_in_transformers(tmp_path, family, tied):
-    overrides = {"attention_bias": True} if family == "qwen2" else {}
+    overrides = family_overrides(family)
     ours = randomize(
         Transformer(tiny_config(model_type=family, tie_word_embeddings=tied, **overrides)), seed=3
     )

@@ -80,6 +80,8 @@ FAMILIES = [
     "llama:hf",
     "qwen2:hf",
     "qwen3",
+    "qwen3_moe",
+    "mixtral",
     "gpt2",
     "llama:llama3",
     "qwen2:yarn",

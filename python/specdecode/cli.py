@@ -212,7 +212,7 @@ def _check_model_dir(spec: str, option: str) -> Path:
 
 
 def _load_dir(directory: Path, option: str) -> Any:
-    """Our :class:`~specdecode.models.Transformer` for Llama/Qwen2/Qwen3/Mistral configs, else the
+    """Our :class:`~specdecode.models.Transformer` for its families' configs (MODEL_TYPES), else the
     transformers model behind :class:`~specdecode.models.HFCausalLM`; float32 on the CPU."""
     import torch
 

@@ -1,8 +1,9 @@
 """Models that drafters and verifiers drive: the :class:`CausalLM` protocol and two implementations.
 
-* :class:`Transformer`: a Llama / Qwen2 / Qwen3 / Mistral style decoder written on specdecode's ops
-  (static :class:`KVCache`, ``ops.tree_attention``, ``ops.compact_kv``) that loads and saves the
-  Hugging Face checkpoint layout.
+* :class:`Transformer`: a Llama / Qwen2 / Qwen3 / Mistral style decoder, dense or with
+  mixture-of-experts MLPs (Qwen3-MoE, Mixtral), written on specdecode's ops (static
+  :class:`KVCache`, ``ops.tree_attention``, ``ops.compact_kv``) that loads and saves the Hugging
+  Face checkpoint layout.
 * :class:`HFCausalLM`: an adapter around any transformers causal LM.
 """
 

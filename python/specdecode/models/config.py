@@ -1,6 +1,6 @@
 """The configuration of a Llama-style decoder, and its translation to/from Hugging Face config.json.
 
-One :class:`ModelConfig` describes the four families :class:`~specdecode.models.Transformer`
+One :class:`ModelConfig` describes the six families :class:`~specdecode.models.Transformer`
 implements. They share one architecture (RMSNorm, RoPE, SwiGLU MLP, grouped-query attention,
 tied or untied embeddings) and differ only in details that the config states explicitly:
 
@@ -8,6 +8,12 @@ tied or untied embeddings) and differ only in details that the config states exp
 * ``qwen2``: q/k/v biases always, no o bias (``attention_bias`` must be True).
 * ``qwen3``: an RMSNorm over each head of q and of k before RoPE (``q_norm`` / ``k_norm``, one
   weight of ``head_dim`` each, shared by the heads); optional biases on q/k/v and o, as Llama.
+* ``qwen3_moe``: Qwen3 with sparse mixture-of-experts MLPs (``num_experts`` SwiGLU experts of
+  width ``moe_intermediate_size``, ``num_experts_per_tok`` chosen per token by a softmax router,
+  their weights renormalised where ``norm_topk_prob``), dense on ``mlp_only_layers`` and off
+  the ``decoder_sparse_step`` grid.
+* ``mixtral``: Mistral with sparse MLPs (``block_sparse_moe``: experts ``w1`` / ``w3`` / ``w2``,
+  the top-k router weights always renormalised).
 * ``mistral``: no biases; a sliding attention window.
 
 A sliding window ``W`` is honoured by refusing longer sequences: while every sequence is at most
@@ -23,7 +29,9 @@ import math
 import os
 from typing import Any, Optional, Union
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+# The families whose MLPs are mixtures of experts.
+MOE_TYPES = ("qwen3_moe", "mixtral")
 # RoPE variants besides plain RoPE, all position-independent rescalings of the frequencies (YaRN
 # also scales cos and sin). Dynamic NTK rescales only past max_position_embeddings, where every
 # model and cache here refuses to go: up to it, its frequencies are plain RoPE's in transformers
@@ -37,11 +45,15 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "mistral": "MistralForCausalLM",
 }
 
 # Fields that from_hf_config derives itself instead of copying from the dict.
-_DERIVED_FIELDS = frozenset({"model_type", "rope_theta", "rope_scaling", "sliding_window"})
+_DERIVED_FIELDS = frozenset(
+    {"model_type", "rope_theta", "rope_scaling", "sliding_window", "num_experts"}
+)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -167,7 +179,8 @@ def _token_ids(name: str, value: Any) -> None:
 
 @dataclasses.dataclass
 class ModelConfig:
-    """Hyperparameters of a Llama / Qwen2 / Qwen3 / Mistral style decoder, named as in Hugging Face.
+    """Hyperparameters of a Llama / Qwen2 / Qwen3 / Mistral style decoder (dense or with
+    mixture-of-experts MLPs: Qwen3-MoE, Mixtral), named as in Hugging Face.
 
     Attributes
     ----------
@@ -213,6 +226,20 @@ class ModelConfig:
         Mistral/Qwen2 attention window; sequences longer than it are refused (see module doc).
     initializer_range : float
         Standard deviation of the normal initialisation of a freshly built model.
+    num_experts : int, optional
+        Experts per sparse MLP (``qwen3_moe``, ``mixtral``; transformers also spells it
+        ``num_local_experts``); None for the dense families.
+    num_experts_per_tok : int
+        Experts each token is routed to (the router's top-k).
+    moe_intermediate_size : int, optional
+        Width of each expert; defaults to ``intermediate_size`` (Mixtral's experts are as wide as
+        its dense MLP would be; Qwen3-MoE's dense layers keep ``intermediate_size``).
+    norm_topk_prob : bool
+        Whether the top-k router probabilities are renormalised to sum to one (always for
+        ``mixtral``).
+    decoder_sparse_step, mlp_only_layers : int, list of int
+        Qwen3-MoE: layer ``i`` is sparse when ``(i + 1) % decoder_sparse_step == 0`` and ``i``
+        is not in ``mlp_only_layers``; the other layers have a dense MLP.
     """
 
     vocab_size: int
@@ -234,6 +261,12 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     sliding_window: Optional[int] = None
     initializer_range: float = 0.02
+    num_experts: Optional[int] = None
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: Optional[int] = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in (
@@ -288,6 +321,44 @@ class ModelConfig:
         _token_ids("eos_token_id", self.eos_token_id)
         if isinstance(self.eos_token_id, tuple):
             self.eos_token_id = list(self.eos_token_id)
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.model_type not in MOE_TYPES:
+            if self.num_experts is not None:
+                raise ValueError(
+                    f"num_experts: model_type {self.model_type!r} has dense MLPs; experts need "
+                    f"one of {', '.join(MOE_TYPES)}"
+                )
+            return
+        if self.num_experts is None:
+            raise ValueError(f"num_experts: model_type {self.model_type!r} needs it")
+        _check_int("num_experts", self.num_experts, 1)
+        _check_int("num_experts_per_tok", self.num_experts_per_tok, 1)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: {self.num_experts_per_tok} exceeds num_experts = "
+                f"{self.num_experts}"
+            )
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        _check_int("moe_intermediate_size", self.moe_intermediate_size, 1)
+        _check_int("decoder_sparse_step", self.decoder_sparse_step, 1)
+        if not isinstance(self.norm_topk_prob, bool):
+            raise TypeError(f"norm_topk_prob: expected a bool, got {self.norm_topk_prob!r}")
+        if self.model_type == "mixtral" and not self.norm_topk_prob:
+            raise ValueError("norm_topk_prob: Mixtral always renormalises; it must be True")
+        if self.model_type == "mixtral" and (self.decoder_sparse_step != 1 or self.mlp_only_layers):
+            raise ValueError("decoder_sparse_step / mlp_only_layers: every Mixtral layer is sparse")
+        if not isinstance(self.mlp_only_layers, (list, tuple)):
+            raise TypeError(f"mlp_only_layers: expected a list, got {self.mlp_only_layers!r}")
+        self.mlp_only_layers = list(self.mlp_only_layers)
+        for i in self.mlp_only_layers:
+            _check_int("mlp_only_layers[i]", i, 0)
+            if i >= self.num_hidden_layers:
+                raise ValueError(
+                    f"mlp_only_layers: layer {i} does not exist ({self.num_hidden_layers} layers)"
+                )
 
     # ---- derived sizes ----------------------------------------------------------------------
 
@@ -298,13 +369,21 @@ class ModelConfig:
 
     @property
     def o_bias(self) -> bool:
-        """Whether o_proj has a bias (Llama and Qwen3 with attention_bias only)."""
-        return self.attention_bias and self.model_type in ("llama", "qwen3")
+        """Whether o_proj has a bias (Llama, Qwen3, Qwen3-MoE with attention_bias only)."""
+        return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe")
 
     @property
     def qk_norm(self) -> bool:
-        """Whether each head of q and of k is RMS-normalised before RoPE (Qwen3)."""
-        return self.model_type == "qwen3"
+        """Whether each head of q and of k is RMS-normalised before RoPE (Qwen3, Qwen3-MoE)."""
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    def sparse_layer(self, i: int) -> bool:
+        """Whether decoder layer ``i`` has a mixture-of-experts MLP."""
+        return (
+            self.num_experts is not None
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def max_length(self) -> int:
@@ -382,7 +461,7 @@ class ModelConfig:
             }
 
         sliding_window = hf.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and (
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and (
             not hf.get("use_sliding_window", False)
             or hf.get("max_window_layers", 0) >= hf.get("num_hidden_layers", 0)
         ):
@@ -408,8 +487,19 @@ class ModelConfig:
         kwargs = {k: v for k, v in hf.items() if k in fields and k not in _DERIVED_FIELDS}
         if model_type == "qwen2":
             kwargs["attention_bias"] = True
-        elif model_type == "mistral":
+        elif model_type in ("mistral", "mixtral"):
             kwargs["attention_bias"] = False
+        if model_type in MOE_TYPES:
+            experts = hf.get("num_experts", hf.get("num_local_experts"))
+            kwargs["num_experts"] = experts
+            if model_type == "mixtral":
+                kwargs["norm_topk_prob"] = True  # Mixtral's router always renormalises
+        if model_type not in ("qwen3_moe",):
+            for key in ("decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size"):
+                kwargs.pop(key, None)
+        if model_type not in MOE_TYPES:
+            for key in ("num_experts_per_tok", "norm_topk_prob"):
+                kwargs.pop(key, None)
         if kwargs.get("head_dim") is None:
             kwargs.pop("head_dim", None)
         return cls(
@@ -455,8 +545,8 @@ class ModelConfig:
         if self.model_type == "llama":
             hf["attention_bias"] = self.attention_bias
             hf["mlp_bias"] = False
-        if self.model_type in ("qwen2", "qwen3"):
-            if self.model_type == "qwen3":
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
+            if self.model_type != "qwen2":
                 hf["attention_bias"] = self.attention_bias
             hf["use_sliding_window"] = self.sliding_window is not None
             hf["sliding_window"] = self.sliding_window
@@ -464,8 +554,20 @@ class ModelConfig:
             hf["max_window_layers"] = (
                 0 if self.sliding_window is not None else self.num_hidden_layers
             )
-        elif self.model_type == "mistral":
+        elif self.model_type in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window
+        if self.model_type == "qwen3_moe":
+            hf.update(
+                num_experts=self.num_experts,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
+        elif self.model_type == "mixtral":
+            hf["num_local_experts"] = self.num_experts
+        if self.model_type in MOE_TYPES:
+            hf["num_experts_per_tok"] = self.num_experts_per_tok
         return hf
 
     @classmethod

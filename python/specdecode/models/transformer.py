@@ -21,7 +21,7 @@ import functools
 import math
 import os
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -173,9 +173,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, width: Optional[int] = None) -> None:
         super().__init__()
-        h, m = config.hidden_size, config.intermediate_size
+        h, m = config.hidden_size, width or config.intermediate_size
         self.gate_proj = nn.Linear(h, m, bias=False)
         self.up_proj = nn.Linear(h, m, bias=False)
         self.down_proj = nn.Linear(m, h, bias=False)
@@ -183,14 +183,128 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate, up, down) weights, ``[out, in]``."""
+        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+
+
+class MixtralExpert(nn.Module):
+    """A Mixtral expert: the SwiGLU MLP under Mixtral's names (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, config: ModelConfig, width: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.w1 = nn.Linear(h, width, bias=False)
+        self.w2 = nn.Linear(width, h, bias=False)
+        self.w3 = nn.Linear(h, width, bias=False)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.w1.weight, self.w3.weight, self.w2.weight
+
+
+_ExpertWeights = Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice for tokens ``x`` ``[M, H]``: (weights ``[M, k]`` in x's dtype,
+    experts int64 ``[M, k]``). Softmax over all experts in float32, then the top k, their
+    probabilities renormalised to sum to one where ``renormalise`` (transformers' order)."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def _moe_mlp(
+    x: torch.Tensor, router: torch.Tensor, experts: _ExpertWeights, top_k: int, renormalise: bool
+) -> torch.Tensor:
+    """A sparse MLP over tokens ``x`` ``[M, H]`` -> ``[M, H]``: each token's output is the sum of
+    its ``top_k`` experts' SwiGLU outputs times their router weights. Each expert runs once, on
+    the tokens routed to it (in expert order, as transformers sums them). One implementation
+    for the training path (:class:`SparseMoE`, differentiable) and the inference path."""
+    weights, chosen = _route(x, router, top_k, renormalise)
+    out = torch.zeros_like(x)
+    for e in torch.unique(chosen).tolist():
+        token, slot = torch.where(chosen == e)
+        gate, up, down = experts[e]
+        h = x[token]
+        y = F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (Qwen3-MoE's ``mlp``, Mixtral's ``block_sparse_moe``): the
+    router ``gate`` (``[num_experts, H]``, no bias) and the experts, see :func:`_moe_mlp`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.num_experts is not None and config.moe_intermediate_size is not None
+        width = config.moe_intermediate_size
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        expert = MixtralExpert if config.model_type == "mixtral" else MLP
+        self.experts = nn.ModuleList(expert(config, width) for _ in range(config.num_experts))
+        self.top_k = config.num_experts_per_tok
+        self.renormalise = config.norm_topk_prob
+
+    def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return [e.weights() for e in self.experts]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = _moe_mlp(flat, self.gate.weight, self.expert_weights(), self.top_k, self.renormalise)
+        return out.view_as(x)
+
+
+# Each expert's (gate, up, down) weight names in the checkpoints of a sparse family.
+_EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+def _split_fused_experts(config: ModelConfig, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with transformers 5's in-memory experts (``layers.N.mlp.experts.gate_up_proj``
+    ``[E, 2 I, H]``, gate rows first, and ``...experts.down_proj`` ``[E, H, I]``, with the router
+    at ``...mlp.gate.weight`` for Mixtral too) written as the checkpoints' per-expert tensors.
+    Other keys pass through; a state already in the checkpoint layout comes back equal."""
+    out = dict(state)
+    if config.num_experts is None:
+        return out
+    gate_name, up_name, down_name = _EXPERT_NAMES[config.model_type]
+    block = "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
+    for i in range(config.num_hidden_layers):
+        src, dst = f"model.layers.{i}.mlp.", f"model.layers.{i}.{block}."
+        if src + "experts.gate_up_proj" not in out or not config.sparse_layer(i):
+            continue
+        gate_up = out.pop(src + "experts.gate_up_proj")
+        down = out.pop(src + "experts.down_proj")
+        width = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            out[f"{dst}experts.{e}.{gate_name}.weight"] = gate_up[e, :width]
+            out[f"{dst}experts.{e}.{up_name}.weight"] = gate_up[e, width:]
+            out[f"{dst}experts.{e}.{down_name}.weight"] = down[e]
+        if src != dst and src + "gate.weight" in out:
+            out[dst + "gate.weight"] = out.pop(src + "gate.weight")
+    return out
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        # The feed-forward block under its Hugging Face name: Mixtral's sparse MLP is
+        # `block_sparse_moe`, every other one `mlp`.
+        ff: nn.Module = SparseMoE(config) if config.sparse_layer(index) else MLP(config)
+        self._ff_name = "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
+        setattr(self, self._ff_name, ff)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        """The MLP block: an :class:`MLP` or a :class:`SparseMoE`."""
+        return getattr(self, self._ff_name)
 
     def forward(
         self,
@@ -201,7 +315,7 @@ class DecoderLayer(nn.Module):
         layer: int,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
 class Decoder(nn.Module):
@@ -210,7 +324,9 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -239,9 +355,26 @@ class _LayerWeights(NamedTuple):
     o_t: torch.Tensor  # [Hq D, H]
     o_b: Optional[torch.Tensor]
     ln2: torch.Tensor
-    gate_up_t: torch.Tensor  # [H, 2 M]: gate_proj columns, then up_proj columns
-    down_t: torch.Tensor  # [M, H]
-    gate_up_p: Optional[torch.Tensor]  # gate/up prepacked for oneDNN (_pack_weight) or None
+    # A dense MLP: gate_up_t [H, 2 M] (gate_proj columns, then up_proj columns), down_t [M, H],
+    # gate/up prepacked for oneDNN (_pack_weight) or None. A sparse one leaves them None.
+    gate_up_t: Optional[torch.Tensor]
+    down_t: Optional[torch.Tensor]
+    gate_up_p: Optional[torch.Tensor]
+    # A sparse MLP (:class:`SparseMoE`): its module, whose weights _moe_mlp reads as they are.
+    moe: Optional[SparseMoE] = None
+
+
+def _mlp_weights(m: nn.Module) -> dict[str, Any]:
+    """The MLP fields of a layer's :class:`_LayerWeights`: a dense MLP fused and transposed, a
+    sparse one kept as its module (its experts run on a few tokens each)."""
+    if isinstance(m, SparseMoE):
+        return {"gate_up_t": None, "down_t": None, "gate_up_p": None, "moe": m}
+    gate_up = torch.cat((m.gate_proj.weight, m.up_proj.weight))
+    return {
+        "gate_up_t": _t(gate_up),
+        "down_t": _t(m.down_proj.weight),
+        "gate_up_p": _pack_weight(gate_up),
+    }
 
 
 def _onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -344,7 +477,7 @@ class _InferenceWeights:
 
     @staticmethod
     def _fuse(layer: DecoderLayer) -> _LayerWeights:
-        a, m = layer.self_attn, layer.mlp
+        a, m = layer.self_attn, layer.feed_forward
         qkv_b = None
         if a.q_proj.bias is not None:
             qkv_b = torch.cat((a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)).detach()
@@ -364,9 +497,7 @@ class _InferenceWeights:
             o_t=_t(a.o_proj.weight),
             o_b=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
             ln2=layer.post_attention_layernorm.weight.detach(),
-            gate_up_t=_t(torch.cat((m.gate_proj.weight, m.up_proj.weight))),
-            down_t=_t(m.down_proj.weight),
-            gate_up_p=_pack_weight(torch.cat((m.gate_proj.weight, m.up_proj.weight))),
+            **_mlp_weights(m),
         )
 
     def _key(self) -> tuple:
@@ -409,7 +540,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class Transformer(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Mistral style decoder (RMSNorm, RoPE, SwiGLU, GQA).
+    """Llama / Qwen2 / Qwen3 / Mistral style decoder (RMSNorm, RoPE, SwiGLU, GQA), dense or with
+    mixture-of-experts MLPs (Qwen3-MoE, Mixtral).
 
     Parameters
     ----------
@@ -848,9 +980,19 @@ class Transformer(nn.Module):
             if sel is not None:
                 out = out.index_select(0, sel)
             x = x + _mm(out, w.o_t, w.o_b)
-            gate_up = _mm_rows(_rms_norm(x, w.ln2, eps), w.gate_up_t, w.gate_up_p)
-            m = gate_up.shape[1] // 2
-            x = x + torch.mm(F.silu(gate_up[:, :m]) * gate_up[:, m:], w.down_t)
+            if w.moe is not None:
+                moe = w.moe
+                x = x + _moe_mlp(
+                    _rms_norm(x, w.ln2, eps),
+                    moe.gate.weight,
+                    moe.expert_weights(),
+                    moe.top_k,
+                    moe.renormalise,
+                )
+            else:
+                gate_up = _mm_rows(_rms_norm(x, w.ln2, eps), w.gate_up_t, w.gate_up_p)
+                m = gate_up.shape[1] // 2
+                x = x + torch.mm(F.silu(gate_up[:, :m]) * gate_up[:, m:], w.down_t)
             if i + 1 in wanted_set and i + 1 < last:
                 hidden[i + 1] = x
         x = _rms_norm(x, fast.norm, eps)
@@ -928,6 +1070,15 @@ class Transformer(nn.Module):
 
     # ---- Hugging Face checkpoints ------------------------------------------------------------
 
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ):  # type: ignore[override]
+        """:meth:`torch.nn.Module.load_state_dict`, also taking a transformers 5 sparse model's
+        own ``state_dict()`` (its experts fused into ``[E, ...]`` tensors; see
+        :func:`_split_fused_experts`) as well as the per-expert checkpoint layout."""
+        state = _split_fused_experts(self.config, state_dict)
+        return super().load_state_dict(state, strict=strict, assign=assign)
+
     def save_pretrained(self, directory: PathLike) -> None:
         """Writes ``config.json`` and ``model.safetensors`` in the Hugging Face layout.
 
@@ -953,7 +1104,8 @@ class Transformer(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Union[torch.device, str, None] = None,
     ) -> Transformer:
-        """Loads a local Llama / Qwen2 / Qwen3 / Mistral checkpoint (config.json + safetensors).
+        """Loads a local Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral checkpoint
+        (config.json + safetensors).
 
         Parameters
         ----------
@@ -981,7 +1133,7 @@ class Transformer(nn.Module):
         if dtype is not None:
             check_float_dtype("dtype", dtype, min_bits=16)
         config = ModelConfig.from_hf_config(read_config(directory))
-        tensors = load_state_dict(directory)
+        tensors = _split_fused_experts(config, load_state_dict(directory))
         model = cls(config)
         expected = model.state_dict()
         if config.tie_word_embeddings:
