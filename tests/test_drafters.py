@@ -421,6 +421,34 @@ def test_model_drafter_stop_below_ends_chains_where_the_draft_model_is_unsure(sa
             assert bool((cut.draft_probs[b, :e] == full.draft_probs[b, :e]).all())
 
 
+def test_model_drafter_stop_below_feeds_only_the_chains_still_going():
+    """After the catch-up pass, the pass at depth j feeds node j of the chains that drafted it
+    (their confidence at node j + 1 is still to be read) and nothing (padding, for a model that
+    takes num_nodes) to the chains that ended before it; no pass once all have ended."""
+    from specdecode.drafters import ModelDrafter
+
+    model = _tiny(4)
+    prompts = [[3, 4, 5], [9], [1, 2, 3, 4, 5, 6], [7, 7], [2, 8, 1]]
+    slots = list(range(len(prompts)))
+    full = ModelDrafter(model, k=5)
+    full.start(slots, prompts)
+    drafted = full.propose(slots)
+    tops = [
+        _top_probs(model, p, drafted.tokens[b, 1:].tolist()).tolist() for b, p in enumerate(prompts)
+    ]
+    floor = _floor_between([p for row in tops for p in row])
+    ends = [_ends(row, floor) for row in tops]
+    recorder = _NumNodesRecorder(model)
+    d = ModelDrafter(recorder, k=5, stop_below=floor)
+    d.start(slots, prompts)
+    recorder.seen.clear()
+    assert d.propose(slots).num_nodes.tolist() == [e + 1 for e in ends]
+    passes = [real for _, real in recorder.seen[1:]]  # after the catch-up
+    assert len(passes) == max(0, min(max(ends), 4))
+    for depth, real in enumerate(passes, start=1):
+        assert real == [int(e >= depth) for e in ends], (depth, real, ends)
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_model_drafter_stop_below_one_drafts_nothing_after_the_catch_up(mode):
     """No softmax is one-hot here, so a floor of 1 ends every draft at the root, after the one

@@ -768,12 +768,16 @@ class ModelDrafter:
                 else:
                     nxt = row_logits.argmax(dim=1).to(torch.int32)
                 tokens[:, d + 1] = torch.where(lengths > d, nxt, -1)
-                if d + 1 < depth and bool((lengths > d + 1).any()):
-                    # Ended rows are fed token 0 (their K/V beyond the committed tokens is
-                    # truncated on observe unless it matches them, as for any draft token).
-                    step = [[max(int(x), 0)] for x in nxt]
-                    logits = self._forward_rows(slots, step)[:, 0]
-                    for s, x in zip(slots, step):
+                going = torch.nonzero(lengths > d + 1).squeeze(1).tolist()
+                if d + 1 < depth and going:
+                    # Only the chains still going are fed (an ended row is padding to a model
+                    # that takes num_nodes); the others keep logits they no longer read.
+                    fed = [slots[i] for i in going]
+                    step = [[int(nxt[i])] for i in going]
+                    fresh = self._forward_rows(fed, step)[:, 0]
+                    logits = logits.clone()
+                    logits[torch.tensor(going, device=logits.device)] = fresh.to(logits.dtype)
+                    for s, x in zip(fed, step):
                         self._fed[s].extend(x)
         parents = ops.chain_parents(batch, depth).to(torch.int32)
         num_nodes = lengths + 1
