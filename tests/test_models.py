@@ -365,10 +365,7 @@ def test_moe_routing_matches_transformers(tmp_path, family, renormalise):
         assert torch.equal(value, fused.state_dict()[key]), key
     ids = _ids(2, 30, seed=4)
     expected = hf_logits(theirs, ids)
-    torch.testing.assert_close(ours.forward_train(ids), expected, rtol=1e-4, atol=1e-4)
-    cache = ours.new_cache(2)
-    positions = torch.arange(30).expand(2, 30)
-    torch.testing.assert_close(ours(ids, positions, cache), expected, rtol=1e-4, atol=1e-4)
+    _assert_both_paths_give(ours, ids, expected)
     for layer in ours.model.layers:
         layer.feed_forward.top_k = 1
     assert float((ours.forward_train(ids) - expected).detach().abs().max()) > 0.05
@@ -401,6 +398,14 @@ def test_init_matches_hf_scheme():
 
 
 # ---- forward_train parity with transformers ------------------------------------------------
+
+
+def _assert_both_paths_give(model: Transformer, ids: torch.Tensor, expected: torch.Tensor):
+    """forward_train and the cached inference path (one prefill pass) both give ``expected``."""
+    torch.testing.assert_close(model.forward_train(ids), expected, rtol=1e-4, atol=1e-4)
+    cache = model.new_cache(ids.shape[0])
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    torch.testing.assert_close(model(ids, positions, cache), expected, rtol=1e-4, atol=1e-4)
 
 
 def _ids(batch: int, t: int, seed: int = 1) -> torch.Tensor:
@@ -459,10 +464,7 @@ def test_qwen3_head_norms_with_a_head_dim_of_its_own(tmp_path, bias):
     assert (ours.config.head_dim, ours.config.o_bias) == (64, bias)
     ids = _ids(2, 40, seed=9)
     expected = hf_logits(theirs, ids)
-    torch.testing.assert_close(ours.forward_train(ids), expected, rtol=1e-4, atol=1e-4)
-    cache = ours.new_cache(2)
-    positions = torch.arange(40).expand(2, 40)
-    torch.testing.assert_close(ours(ids, positions, cache), expected, rtol=1e-4, atol=1e-4)
+    _assert_both_paths_give(ours, ids, expected)
     with torch.no_grad():
         for layer in ours.model.layers:
             layer.self_attn.k_norm.weight.fill_(1.0)
