@@ -284,6 +284,40 @@ def test_hf_greedy_equals_transformers_generate(family, kind):
         assert out.sequences[b] == ours == theirs, f"row {b}"
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "qwen2:yarn"])
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_our_transformer_of_each_family_decodes_as_transformers(family, kind):
+    """specdecode's own Transformer loaded from a transformers model of the newer families
+    (Qwen3's head norms, the two mixture-of-experts ones, YaRN RoPE past its pretraining
+    context) as target, a draft of the same family: greedy output equal to transformers'
+    generate, through drafting, tree attention and KV compaction."""
+    from reference_models import BASE, YARN_ROPE_SCALING, hf_model
+    from specdecode.models import ModelConfig, Transformer
+
+    kind_of, _, variant = family.partition(":")
+    extra = {}
+    if variant == "yarn":
+        extra = {"rope_parameters": {"rope_theta": BASE["rope_theta"], **YARN_ROPE_SCALING}}
+
+    def ours(hf):
+        model = Transformer(ModelConfig.from_hf_config(hf.config.to_dict()))
+        model.load_state_dict(hf.state_dict())
+        return model
+
+    hf = hf_model(kind_of, **extra)
+    target, draft = ours(hf), ours(hf_model(kind_of, seed=5, **extra))
+    prompts = prompts_for(3, target.vocab_size, seed=6)
+    out = generate(target, prompts, drafter=make_drafter(kind, draft), max_new_tokens=12)
+    for b, prompt in enumerate(prompts):
+        # transformers' argmax continuation, full forward passes (generate's min_new_tokens
+        # would forbid the end-of-sequence token these tiny models sometimes pick).
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(12):
+                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert out.sequences[b] == seq[len(prompt) :], f"row {b}"
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", ["cacheback", "chain"])
 def test_hf_finished_rows_leave_the_batch(family, kind):
