@@ -75,11 +75,14 @@ def hf_config(model_type: str, **overrides: Any):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
+        "phi3": transformers.Phi3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "mixtral": transformers.MixtralConfig,
     }[model_type]
     if model_type in ("mistral", "mixtral"):
         kwargs.setdefault("sliding_window", None)
+    if model_type == "phi3":  # Phi3Config's pad id (32000) lies outside BASE's vocabulary
+        kwargs.setdefault("pad_token_id", None)
     if model_type in ("qwen3", "qwen3_moe"):  # head_dim defaults to 128 whatever the sizes
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     if model_type in MOE_EXPERTS:

@@ -284,13 +284,13 @@ def test_hf_greedy_equals_transformers_generate(family, kind):
         assert out.sequences[b] == ours == theirs, f"row {b}"
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "qwen2:yarn"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3_moe", "mixtral", "qwen2:yarn"])
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_our_transformer_of_each_family_decodes_as_transformers(family, kind):
     """specdecode's own Transformer loaded from a transformers model of the newer families
-    (Qwen3's head norms, the two mixture-of-experts ones, YaRN RoPE past its pretraining
-    context) as target, a draft of the same family: greedy output equal to transformers'
-    generate, through drafting, tree attention and KV compaction."""
+    (Qwen3's head norms, Phi-3's fused projections, the two mixture-of-experts ones, YaRN RoPE
+    past its pretraining context) as target, a draft of the same family: greedy output equal to
+    transformers' argmax continuation, through drafting, tree attention and KV compaction."""
     from reference_models import BASE, YARN_ROPE_SCALING, hf_model
     from specdecode.models import ModelConfig, Transformer
 

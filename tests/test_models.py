@@ -19,8 +19,8 @@ from reference_models import (
 )
 from specdecode.models import ModelConfig, Transformer
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]
-DENSE = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral"]
+DENSE = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
 
 
 def family_overrides(family: str) -> dict:
@@ -67,7 +67,7 @@ def test_config_defaults():
     [
         ({"num_key_value_heads": 3}, ValueError, "num_key_value_heads"),
         ({"model_type": "gpt2"}, ValueError, "model_type"),
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, ValueError, "longrope"),
+        ({"rope_scaling": {"rope_type": "su", "factor": 4.0}}, ValueError, "'su'"),
         ({"rope_scaling": {"rope_type": "dynamic"}}, TypeError, "factor"),
         ({"rope_scaling": {**YARN, "beta_fast": 1.0}}, ValueError, "beta_fast must exceed"),
         ({"rope_scaling": {**YARN, "beta_slow": -1.0}}, ValueError, "beta_slow"),
@@ -124,6 +124,7 @@ def test_config_hf_roundtrip(family):
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
             "mistral": "MistralForCausalLM",
+            "phi3": "Phi3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM",
             "mixtral": "MixtralForCausalLM",
         }[family]
@@ -160,7 +161,7 @@ def test_config_from_transformers_configs():
         ({"model_type": "gpt2"}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+        ({"rope_parameters": {"rope_type": "ntk", "rope_theta": 1e4}}, "'ntk'"),
         ({"rope_parameters": "llama3"}, "rope_parameters"),
         ({"rope_parameters": None, "rope_scaling": {"type": "su", "factor": 2.0}}, "'su'"),
         ({"rope_parameters": None, "rope_scaling": [2.0]}, "rope_scaling"),
@@ -369,6 +370,64 @@ def test_moe_routing_matches_transformers(tmp_path, family, renormalise):
     for layer in ours.model.layers:
         layer.feed_forward.top_k = 1
     assert float((ours.forward_train(ids) - expected).detach().abs().max()) > 0.05
+
+
+def _longrope(head_dim: int = 64, seed: int = 0) -> dict:
+    """A LongRoPE scaling with random per-frequency divisors (short 1-4, long 1-21)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "rope_type": "longrope",
+        "short_factor": (1 + 3 * torch.rand(head_dim // 2, generator=g)).tolist(),
+        "long_factor": (1 + 20 * torch.rand(head_dim // 2, generator=g)).tolist(),
+    }
+
+
+def test_phi3_longrope_within_its_pretraining_context(tmp_path):
+    """Phi-3's 128k-context scaling (LongRoPE, the pretraining context at the top level of
+    config.json): logits equal to transformers' up to that context, where the short factors and
+    the attention factor sqrt(1 + ln(f) / ln(n)) apply; the model's length stops there (past it
+    transformers switches every position of a pass to the long factors)."""
+    rope = {**_longrope(), "rope_theta": BASE["rope_theta"]}
+    theirs = hf_model("phi3", rope_parameters=rope, original_max_position_embeddings=64)
+    theirs.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    scaling = ours.config.rope_scaling
+    assert scaling["original_max_position_embeddings"] == 64 and scaling["factor"] == 4.0
+    assert scaling["attention_factor"] == pytest.approx((1 + math.log(4) / math.log(64)) ** 0.5)
+    assert ours.config.max_length == 64 and ours.new_cache(1).max_length == 64
+    ids = _ids(2, 64, seed=12)
+    expected = hf_logits(theirs, ids)
+    _assert_both_paths_give(ours, ids, expected)
+    plain = Transformer(ModelConfig.from_hf_config(hf_config("phi3").to_dict()))
+    plain.load_state_dict(ours.state_dict())
+    assert float((plain.forward_train(ids) - expected).detach().abs().max()) > 0.05
+    with pytest.raises(ValueError, match="LongRoPE"):
+        ours(torch.tensor([[3]]), torch.tensor([[64]]), ours.new_cache(1))
+    # And back: transformers reads our checkpoint with the same scaling.
+    ours.save_pretrained(tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    torch.testing.assert_close(hf_logits(again, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"short_factor": [1.0] * 31}, ValueError, "short_factor"),
+        ({"long_factor": None}, TypeError, "long_factor"),
+        ({"short_factor": [0.0] * 32}, ValueError, "short_factor"),
+        ({"attention_factor": -1.0}, ValueError, "attention_factor"),
+    ],
+)
+def test_longrope_config_errors(change, error, match):
+    with pytest.raises(error, match=match):
+        tiny_config(model_type="phi3", rope_scaling={**_longrope(), **change})
+
+
+def test_partial_rotary_factor_is_refused():
+    hf = hf_config("phi3").to_dict()
+    hf["partial_rotary_factor"] = 0.75
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf_config(hf)
 
 
 def test_moe_config_errors():

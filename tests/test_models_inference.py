@@ -80,6 +80,7 @@ FAMILIES = [
     "llama:hf",
     "qwen2:hf",
     "qwen3",
+    "phi3",
     "qwen3_moe",
     "mixtral",
     "gpt2",

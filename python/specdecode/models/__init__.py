@@ -1,6 +1,6 @@
 """Models that drafters and verifiers drive: the :class:`CausalLM` protocol and two implementations.
 
-* :class:`Transformer`: a Llama / Qwen2 / Qwen3 / Mistral style decoder, dense or with
+* :class:`Transformer`: a Llama / Qwen2 / Qwen3 / Mistral / Phi-3 style decoder, dense or with
   mixture-of-experts MLPs (Qwen3-MoE, Mixtral), written on specdecode's ops (static
   :class:`KVCache`, ``ops.tree_attention``, ``ops.compact_kv``) that loads and saves the Hugging
   Face checkpoint layout.

@@ -1,6 +1,6 @@
 """The configuration of a Llama-style decoder, and its translation to/from Hugging Face config.json.
 
-One :class:`ModelConfig` describes the six families :class:`~specdecode.models.Transformer`
+One :class:`ModelConfig` describes the seven families :class:`~specdecode.models.Transformer`
 implements. They share one architecture (RMSNorm, RoPE, SwiGLU MLP, grouped-query attention,
 tied or untied embeddings) and differ only in details that the config states explicitly:
 
@@ -8,6 +8,9 @@ tied or untied embeddings) and differ only in details that the config states exp
 * ``qwen2``: q/k/v biases always, no o bias (``attention_bias`` must be True).
 * ``qwen3``: an RMSNorm over each head of q and of k before RoPE (``q_norm`` / ``k_norm``, one
   weight of ``head_dim`` each, shared by the heads); optional biases on q/k/v and o, as Llama.
+* ``phi3``: Llama's layers with q/k/v fused into one ``qkv_proj`` and gate/up into one
+  ``gate_up_proj`` in the checkpoint, no biases, Mistral's window; LongRoPE (its 128k-context
+  models) within the pretraining context.
 * ``qwen3_moe``: Qwen3 with sparse mixture-of-experts MLPs (``num_experts`` SwiGLU experts of
   width ``moe_intermediate_size``, ``num_experts_per_tok`` chosen per token by a softmax router,
   their weights renormalised where ``norm_topk_prob``), dense on ``mlp_only_layers`` and off
@@ -29,17 +32,18 @@ import math
 import os
 from typing import Any, Optional, Union
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral")
 # The families whose MLPs are mixtures of experts.
 MOE_TYPES = ("qwen3_moe", "mixtral")
 # RoPE variants besides plain RoPE, all position-independent rescalings of the frequencies (YaRN
-# also scales cos and sin). Dynamic NTK rescales only past max_position_embeddings, where every
-# model and cache here refuses to go: up to it, its frequencies are plain RoPE's in transformers
-# too (so a verify pass over draft tokens rotates them as plain decoding would).
-ROPE_SCALINGS = ("linear", "dynamic", "llama3", "yarn")
+# and LongRoPE also scale cos and sin). Dynamic NTK and LongRoPE change their frequencies with the
+# longest position of a forward pass once it passes a length (max_position_embeddings, resp. the
+# pretraining context); below it they are fixed, and a model refuses to go past it (a verify pass
+# over draft tokens then rotates them as plain decoding would).
+ROPE_SCALINGS = ("linear", "dynamic", "llama3", "yarn", "longrope")
 # The rope types whose pretraining context (original_max_position_embeddings) transformers takes
 # from a top-level key of config.json over the one inside the scaling dict.
-_ROPE_WITH_CONTEXT = ("llama3", "yarn")
+_ROPE_WITH_CONTEXT = ("llama3", "yarn", "longrope")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -48,6 +52,7 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 # Fields that from_hf_config derives itself instead of copying from the dict.
@@ -136,13 +141,43 @@ def _yarn_scaling(scaling: dict, out: dict, max_position_embeddings: int) -> Non
     out["attention_factor"] = float(attention)
 
 
-def _rope_scaling(scaling: Any, max_position_embeddings: int) -> Optional[dict]:
+def _longrope_scaling(scaling: dict, out: dict, max_position_embeddings: int, d: int) -> None:
+    """LongRoPE (Phi-3's 128k-context models): per-frequency divisors, ``short_factor`` within the
+    pretraining context ``original_max_position_embeddings`` (all this model computes) and
+    ``long_factor`` past it, each ``head_dim / 2`` numbers; cos and sin scaled by the attention
+    factor, by default sqrt(1 + ln f / ln n) for the stretch f = max_position_embeddings / n."""
+    original = _rope_context(scaling, max_position_embeddings)
+    out["original_max_position_embeddings"] = original
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, (list, tuple)):
+            raise TypeError(f"rope_scaling[{key!r}]: expected a list of {d // 2} numbers")
+        if len(factors) != d // 2:
+            raise ValueError(
+                f"rope_scaling[{key!r}]: expected head_dim / 2 = {d // 2} numbers, got "
+                f"{len(factors)}"
+            )
+        for value in factors:
+            _check_float(f"rope_scaling[{key!r}][i]", value)
+        out[key] = [float(v) for v in factors]
+    if "factor" not in out:
+        out["factor"] = max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        f = out["factor"]
+        attention = 1.0 if f <= 1.0 else math.sqrt(1 + math.log(f) / math.log(original))
+    _check_float("rope_scaling['attention_factor']", attention)
+    out["attention_factor"] = float(attention)
+
+
+def _rope_scaling(scaling: Any, max_position_embeddings: int, d: int) -> Optional[dict]:
     """``rope_scaling`` in the one form a ModelConfig keeps (None for plain RoPE).
 
     Takes the transformers 4 spelling (``type``) and the 5 one (``rope_type``, as in
     ``rope_parameters``, whose ``rope_theta`` is read elsewhere). ``llama3`` and ``yarn`` without
     ``original_max_position_embeddings`` take ``max_position_embeddings``, as transformers does;
-    ``yarn``'s optional parameters are stored with their values (see _yarn_scaling).
+    ``yarn``'s optional parameters are stored with their values (see _yarn_scaling), as are
+    ``longrope``'s (``d``: the head dim its factor lists must match).
     """
     if scaling is None:
         return None
@@ -159,13 +194,15 @@ def _rope_scaling(scaling: Any, max_position_embeddings: int) -> Optional[dict]:
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("rope_scaling: partial_rotary_factor must be 1 (RoPE on the whole head)")
     out: dict[str, Any] = {"rope_type": rope_type}
-    if rope_type != "yarn" or scaling.get("factor") is not None:
+    if rope_type not in ("yarn", "longrope") or scaling.get("factor") is not None:
         _check_float("rope_scaling['factor']", scaling.get("factor"))
         out["factor"] = float(scaling["factor"])
     if rope_type == "llama3":
         _llama3_scaling(scaling, out, max_position_embeddings)
     elif rope_type == "yarn":
         _yarn_scaling(scaling, out, max_position_embeddings)
+    elif rope_type == "longrope":
+        _longrope_scaling(scaling, out, max_position_embeddings, d)
     return out
 
 
@@ -303,12 +340,16 @@ class ModelConfig:
         _check_float("rms_norm_eps", self.rms_norm_eps)
         _check_float("rope_theta", self.rope_theta)
         _check_float("initializer_range", self.initializer_range)
-        self.rope_scaling = _rope_scaling(self.rope_scaling, self.max_position_embeddings)
+        self.rope_scaling = _rope_scaling(
+            self.rope_scaling, self.max_position_embeddings, self.head_dim
+        )
         for name in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.model_type == "qwen2" and not self.attention_bias:
             raise ValueError("attention_bias: Qwen2 always has q/k/v biases; it must be True")
+        if self.model_type in ("phi3", "mixtral") and self.attention_bias:
+            raise ValueError(f"attention_bias: {self.model_type} has no attention biases")
         if self.model_type == "mistral" and self.attention_bias:
             raise ValueError("attention_bias: Mistral has no attention biases; it must be False")
         if self.sliding_window is not None:
@@ -387,10 +428,21 @@ class ModelConfig:
 
     @property
     def max_length(self) -> int:
-        """The longest sequence this model computes exactly (see ``sliding_window``)."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        """The longest sequence this model computes exactly: ``max_position_embeddings``, the
+        ``sliding_window`` if smaller (see the module doc), and LongRoPE's pretraining context
+        (past it the frequencies switch to ``long_factor`` for a whole forward pass)."""
+        limit = self.max_position_embeddings
+        if self.sliding_window is not None:
+            limit = min(limit, self.sliding_window)
+        if self.rope_scaling and self.rope_scaling["rope_type"] == "longrope":
+            limit = min(limit, self.rope_scaling["original_max_position_embeddings"])
+        return limit
+
+    @property
+    def fused_projections(self) -> bool:
+        """Whether the checkpoint fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``
+        (Phi-3)."""
+        return self.model_type == "phi3"
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -468,6 +520,12 @@ class ModelConfig:
             sliding_window = None
         if model_type == "llama":
             sliding_window = None
+        partial = hf.get("partial_rotary_factor", 1.0)
+        if partial is not None and partial != 1.0:
+            raise ValueError(
+                f"partial_rotary_factor: {partial} (RoPE on part of each head, e.g. Phi-4-mini) "
+                "is not supported"
+            )
 
         missing = [
             k
@@ -487,7 +545,7 @@ class ModelConfig:
         kwargs = {k: v for k, v in hf.items() if k in fields and k not in _DERIVED_FIELDS}
         if model_type == "qwen2":
             kwargs["attention_bias"] = True
-        elif model_type in ("mistral", "mixtral"):
+        elif model_type in ("mistral", "mixtral", "phi3"):
             kwargs["attention_bias"] = False
         if model_type in MOE_TYPES:
             experts = hf.get("num_experts", hf.get("num_local_experts"))
@@ -554,8 +612,12 @@ class ModelConfig:
             hf["max_window_layers"] = (
                 0 if self.sliding_window is not None else self.num_hidden_layers
             )
-        elif self.model_type in ("mistral", "mixtral"):
+        elif self.model_type in ("mistral", "mixtral", "phi3"):
             hf["sliding_window"] = self.sliding_window
+        if self.model_type == "phi3" and self.rope_scaling:
+            original = self.rope_scaling.get("original_max_position_embeddings")
+            if original is not None:  # Phi-3 keeps its pretraining context at the top level
+                hf["original_max_position_embeddings"] = original
         if self.model_type == "qwen3_moe":
             hf.update(
                 num_experts=self.num_experts,

@@ -77,6 +77,11 @@ def _rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -
     scaling = config.rope_scaling
     if scaling is not None and scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(config.rope_theta**steps, d, config.rope_theta, scaling)
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        # The short factors: all a model computes (ModelConfig.max_length stops at the
+        # pretraining context, past which transformers switches to the long ones).
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32, device=device)
+        return 1.0 / (short * config.rope_theta**steps)
     inv_freq = 1.0 / (config.rope_theta**steps)
     if scaling is None:
         return inv_freq
@@ -127,9 +132,12 @@ def _yarn_inv_freq(pos_freqs: torch.Tensor, d: int, base: float, scaling: dict) 
 
 
 def _rope_attention_factor(config: ModelConfig) -> float:
-    """The factor on cos and sin (so on every attention logit squared): YaRN's, else 1."""
+    """The factor on cos and sin (so on every attention logit squared): YaRN's and LongRoPE's,
+    else 1."""
     scaling = config.rope_scaling
-    return scaling["attention_factor"] if scaling and scaling["rope_type"] == "yarn" else 1.0
+    if scaling and scaling["rope_type"] in ("yarn", "longrope"):
+        return scaling["attention_factor"]
+    return 1.0
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,9 +152,12 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        if config.fused_projections:  # Phi-3: one qkv_proj, rows q, then k, then v
+            self.qkv_proj = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
+            self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+            self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
         # Qwen3: each head of q and k RMS-normalised (one weight shared by the heads) before RoPE.
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
@@ -161,9 +172,14 @@ class Attention(nn.Module):
         layer: int,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "qkv_proj"):
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = _apply_rope(q, cos, sin)
@@ -186,6 +202,20 @@ class MLP(nn.Module):
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) weights, ``[out, in]``."""
         return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+
+
+class FusedMLP(nn.Module):
+    """The SwiGLU MLP with gate and up in one ``gate_up_proj`` (Phi-3's layout: gate rows first)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, m = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Linear(h, 2 * m, bias=False)
+        self.down_proj = nn.Linear(m, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MixtralExpert(nn.Module):
@@ -297,13 +327,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The feed-forward block under its Hugging Face name: Mixtral's sparse MLP is
         # `block_sparse_moe`, every other one `mlp`.
-        ff: nn.Module = SparseMoE(config) if config.sparse_layer(index) else MLP(config)
+        ff: nn.Module
+        if config.sparse_layer(index):
+            ff = SparseMoE(config)
+        else:
+            ff = FusedMLP(config) if config.fused_projections else MLP(config)
         self._ff_name = "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
         setattr(self, self._ff_name, ff)
 
     @property
     def feed_forward(self) -> nn.Module:
-        """The MLP block: an :class:`MLP` or a :class:`SparseMoE`."""
+        """The MLP block: an :class:`MLP`, a :class:`FusedMLP` or a :class:`SparseMoE`."""
         return getattr(self, self._ff_name)
 
     def forward(
@@ -369,7 +403,10 @@ def _mlp_weights(m: nn.Module) -> dict[str, Any]:
     sparse one kept as its module (its experts run on a few tokens each)."""
     if isinstance(m, SparseMoE):
         return {"gate_up_t": None, "down_t": None, "gate_up_p": None, "moe": m}
-    gate_up = torch.cat((m.gate_proj.weight, m.up_proj.weight))
+    if isinstance(m, FusedMLP):
+        gate_up = m.gate_up_proj.weight
+    else:
+        gate_up = torch.cat((m.gate_proj.weight, m.up_proj.weight))
     return {
         "gate_up_t": _t(gate_up),
         "down_t": _t(m.down_proj.weight),
@@ -465,11 +502,11 @@ class _InferenceWeights:
             # The head and gate/up products are the widest of a pass: prepacked for oneDNN
             # (None where it is not usable). The narrower ones gain nothing (measured).
             self.head_p = _pack_weight(model.lm_head.weight)
-            # RoPE tables for every position the model supports, computed exactly as _rope does
-            # (float32 angles from integer positions, then cast), so indexing them gives the same
-            # numbers. sin_signed has its first half negated: rotate_half(x) * sin equals
-            # swap_halves(x) * sin_signed bit for bit (negation is exact).
-            positions = torch.arange(cfg.max_position_embeddings, device=self.embed.device)
+            # RoPE tables for every position the model supports (max_length), computed exactly as
+            # _rope does (float32 angles from integer positions, then cast), so indexing them
+            # gives the same numbers. sin_signed has its first half negated: rotate_half(x) * sin
+            # equals swap_halves(x) * sin_signed bit for bit (negation is exact).
+            positions = torch.arange(cfg.max_length, device=self.embed.device)
             cos, sin = model._rope(positions, self.embed.dtype)
             half = cfg.head_dim // 2
             self.cos = cos
@@ -479,8 +516,12 @@ class _InferenceWeights:
     def _fuse(layer: DecoderLayer) -> _LayerWeights:
         a, m = layer.self_attn, layer.feed_forward
         qkv_b = None
-        if a.q_proj.bias is not None:
-            qkv_b = torch.cat((a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)).detach()
+        if hasattr(a, "qkv_proj"):
+            qkv = a.qkv_proj.weight
+        else:
+            qkv = torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
+            if a.q_proj.bias is not None:
+                qkv_b = torch.cat((a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)).detach()
         qk_norm = None
         if a.q_norm is not None:
             qk_norm = torch.cat(
@@ -491,7 +532,7 @@ class _InferenceWeights:
             )
         return _LayerWeights(
             ln1=layer.input_layernorm.weight.detach(),
-            qkv_t=_t(torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))),
+            qkv_t=_t(qkv),
             qkv_b=qkv_b,
             qk_norm=qk_norm,
             o_t=_t(a.o_proj.weight),
@@ -540,8 +581,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class Transformer(nn.Module):
-    """Llama / Qwen2 / Qwen3 / Mistral style decoder (RMSNorm, RoPE, SwiGLU, GQA), dense or with
-    mixture-of-experts MLPs (Qwen3-MoE, Mixtral).
+    """Llama / Qwen2 / Qwen3 / Mistral / Phi-3 style decoder (RMSNorm, RoPE, SwiGLU, GQA), dense
+    or with mixture-of-experts MLPs (Qwen3-MoE, Mixtral).
 
     Parameters
     ----------
@@ -624,13 +665,15 @@ class Transformer(nn.Module):
         # Angles in float32 from integer positions, then cast: the transformers computation. The
         # frequencies are recomputed (not a buffer) so that .to(dtype) can never round them.
         scaling = self.config.rope_scaling
-        limit = self.config.max_position_embeddings
-        if scaling and scaling["rope_type"] == "dynamic" and positions.numel():
+        if scaling and scaling["rope_type"] in ("dynamic", "longrope") and positions.numel():
+            # Past this length the frequencies depend on each forward pass's longest position.
+            name, limit = "dynamic NTK", self.config.max_position_embeddings
+            if scaling["rope_type"] == "longrope":
+                name, limit = "LongRoPE", scaling["original_max_position_embeddings"]
             if int(positions.max()) >= limit:
                 raise ValueError(
-                    f"positions: dynamic NTK RoPE rescales its frequencies past "
-                    f"max_position_embeddings = {limit}, which this model does not implement; "
-                    f"got position {int(positions.max())}"
+                    f"positions: {name} RoPE changes its frequencies past position {limit}, "
+                    f"which this model does not implement; got position {int(positions.max())}"
                 )
         inv_freq = _rope_inv_freq(self.config, positions.device)
         freqs = positions[..., None].float() * inv_freq
@@ -1104,7 +1147,7 @@ class Transformer(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Union[torch.device, str, None] = None,
     ) -> Transformer:
-        """Loads a local Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral checkpoint
+        """Loads a local Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Qwen3-MoE / Mixtral checkpoint
         (config.json + safetensors).
 
         Parameters
