@@ -430,6 +430,20 @@ def test_partial_rotary_factor_is_refused():
         ModelConfig.from_hf_config(hf)
 
 
+def test_qwen3_moe_config_json_defaults():
+    """A Qwen3-MoE config.json without norm_topk_prob reads it as transformers does (False); one
+    without its experts' width or count per token is refused (transformers' defaults, 768 and 8,
+    fit no small checkpoint)."""
+    hf = hf_config("qwen3_moe").to_dict()
+    hf.pop("norm_topk_prob")
+    assert ModelConfig.from_hf_config(hf).norm_topk_prob is False
+    for key in ("moe_intermediate_size", "num_experts_per_tok"):
+        broken = dict(hf)
+        broken.pop(key)
+        with pytest.raises(ValueError, match=key):
+            ModelConfig.from_hf_config(broken)
+
+
 def test_moe_config_errors():
     with pytest.raises(ValueError, match="num_experts"):
         tiny_config(model_type="mixtral")

@@ -552,6 +552,15 @@ class ModelConfig:
             kwargs["num_experts"] = experts
             if model_type == "mixtral":
                 kwargs["norm_topk_prob"] = True  # Mixtral's router always renormalises
+            else:
+                # transformers' defaults for these differ from any real checkpoint's (8 experts
+                # per token, width 768): a config.json must state them.
+                lacking = [
+                    k for k in ("num_experts_per_tok", "moe_intermediate_size") if k not in hf
+                ]
+                if lacking:
+                    raise ValueError(f"hf: config.json lacks {', '.join(lacking)}")
+                kwargs.setdefault("norm_topk_prob", False)  # transformers' default
         if model_type not in ("qwen3_moe",):
             for key in ("decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size"):
                 kwargs.pop(key, None)
