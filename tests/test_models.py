@@ -424,8 +424,18 @@ def test_longrope_config_errors(change, error, match):
 
 
 def test_partial_rotary_factor_is_refused():
+    """RoPE on part of each head, at the top level of config.json or (transformers 5) inside
+    rope_parameters of any type, plain RoPE's included, is refused rather than misread."""
     hf = hf_config("phi3").to_dict()
     hf["partial_rotary_factor"] = 0.75
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf_config(hf)
+    hf = hf_config("phi3").to_dict()
+    hf["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.5,
+    }
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         ModelConfig.from_hf_config(hf)
 

@@ -184,6 +184,12 @@ def _rope_scaling(scaling: Any, max_position_embeddings: int, d: int) -> Optiona
     if not isinstance(scaling, dict):
         raise TypeError(f"rope_scaling: expected a dict or None, got {type(scaling).__name__}")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    # transformers 5 keeps the rotated fraction of each head in rope_parameters, whatever the type.
+    if scaling.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise ValueError(
+            f"rope_scaling: partial_rotary_factor {scaling['partial_rotary_factor']} (RoPE on part "
+            "of each head, e.g. Phi-4-mini) is not supported"
+        )
     if rope_type == "default":
         return None
     if rope_type not in ROPE_SCALINGS:
@@ -191,8 +197,6 @@ def _rope_scaling(scaling: Any, max_position_embeddings: int, d: int) -> Optiona
             f"rope_scaling: rope_type {rope_type!r} is not supported (plain RoPE, "
             f"{', '.join(repr(t) for t in ROPE_SCALINGS)}): got {scaling!r}"
         )
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("rope_scaling: partial_rotary_factor must be 1 (RoPE on the whole head)")
     out: dict[str, Any] = {"rope_type": rope_type}
     if rope_type not in ("yarn", "longrope") or scaling.get("factor") is not None:
         _check_float("rope_scaling['factor']", scaling.get("factor"))
