@@ -423,19 +423,51 @@ def test_longrope_config_errors(change, error, match):
         tiny_config(model_type="phi3", rope_scaling={**_longrope(), **change})
 
 
-def test_partial_rotary_factor_is_refused():
-    """RoPE on part of each head, at the top level of config.json or (transformers 5) inside
-    rope_parameters of any type, plain RoPE's included, is refused rather than misread."""
-    hf = hf_config("phi3").to_dict()
-    hf["partial_rotary_factor"] = 0.75
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        ModelConfig.from_hf_config(hf)
-    hf = hf_config("phi3").to_dict()
-    hf["rope_parameters"] = {
-        "rope_type": "default",
-        "rope_theta": 1e4,
-        "partial_rotary_factor": 0.5,
-    }
+@pytest.mark.parametrize("partial", [0.5, 0.75])
+@pytest.mark.parametrize("longrope", [False, True])
+def test_phi3_partial_rotary_matches_transformers(tmp_path, partial, longrope):
+    """RoPE on the first part of each head (Phi-4-mini: 0.75 with LongRoPE), the rest passed
+    through: logits equal to transformers' on both paths, full RoPE's differ, and transformers
+    reads our checkpoint back with the same logits."""
+    rot = int(BASE["hidden_size"] // BASE["num_attention_heads"] * partial)
+    rope = {"rope_type": "default", "rope_theta": BASE["rope_theta"]}
+    extra = {}
+    if longrope:
+        rope.update(_longrope(rot))
+        extra["original_max_position_embeddings"] = 64
+    rope["partial_rotary_factor"] = partial
+    theirs = hf_model("phi3", rope_parameters=rope, **extra)
+    theirs.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    assert (ours.config.partial_rotary_factor, ours.config.rotary_dim) == (partial, rot)
+    ids = _ids(2, 50, seed=13)
+    expected = hf_logits(theirs, ids)
+    _assert_both_paths_give(ours, ids, expected)
+    full = Transformer(ModelConfig.from_hf_config(hf_config("phi3").to_dict()))
+    full.load_state_dict(ours.state_dict())
+    assert float((full.forward_train(ids) - expected).detach().abs().max()) > 0.05
+    ours.save_pretrained(tmp_path / "ours")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    torch.testing.assert_close(hf_logits(again, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_partial_rotary_factor_errors():
+    """Only Phi-3-style models rotate part of a head; the rotated dims must be even; a scaling
+    dict that states another fraction than the config's is refused."""
+    with pytest.raises(ValueError, match="whole heads"):
+        tiny_config(partial_rotary_factor=0.5)
+    with pytest.raises(ValueError, match="even"):
+        tiny_config(model_type="phi3", partial_rotary_factor=0.3)  # 19 of 64 dims
+    with pytest.raises(ValueError, match="fraction"):
+        tiny_config(model_type="phi3", partial_rotary_factor=1.5)
+    with pytest.raises(ValueError, match="differs"):
+        tiny_config(
+            model_type="phi3",
+            partial_rotary_factor=0.5,
+            rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.75},
+        )
+    hf = hf_config("llama").to_dict()
+    hf["partial_rotary_factor"] = 0.5
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         ModelConfig.from_hf_config(hf)
 

@@ -49,10 +49,15 @@ def make_models(family: str, attention: str = "auto"):
     hf_kind, _, which = family.partition(":")
     # "llama:llama3": Llama 3.1's scaled RoPE (all three of its frequency bands in use);
     # "qwen2:yarn": Qwen2.5's YaRN (cos and sin scaled too).
+    # "phi3:partial": Phi-4-mini's RoPE on 3/4 of each head (the rest passed through).
     scalings = {"llama3": LLAMA3_ROPE_SCALING, "yarn": YARN_ROPE_SCALING}
     rope = {}
     if which in scalings:
         rope = {"rope_parameters": {"rope_theta": BASE["rope_theta"], **scalings[which]}}
+    if which == "partial":
+        rope = {
+            "rope_parameters": {"rope_theta": BASE["rope_theta"], "partial_rotary_factor": 0.75}
+        }
     theirs = hf_model(hf_kind, **rope)
     if which == "hf":
         return HFCausalLM(theirs), lambda ids: hf_logits(theirs, ids)
@@ -81,6 +86,7 @@ FAMILIES = [
     "qwen2:hf",
     "qwen3",
     "phi3",
+    "phi3:partial",
     "qwen3_moe",
     "mixtral",
     "gpt2",

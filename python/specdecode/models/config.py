@@ -57,7 +57,14 @@ _ARCHITECTURES = {
 
 # Fields that from_hf_config derives itself instead of copying from the dict.
 _DERIVED_FIELDS = frozenset(
-    {"model_type", "rope_theta", "rope_scaling", "sliding_window", "num_experts"}
+    {
+        "model_type",
+        "rope_theta",
+        "rope_scaling",
+        "sliding_window",
+        "num_experts",
+        "partial_rotary_factor",
+    }
 )
 
 
@@ -170,25 +177,29 @@ def _longrope_scaling(scaling: dict, out: dict, max_position_embeddings: int, d:
     out["attention_factor"] = float(attention)
 
 
-def _rope_scaling(scaling: Any, max_position_embeddings: int, d: int) -> Optional[dict]:
+def _rope_scaling(
+    scaling: Any, max_position_embeddings: int, d: int, partial_rotary_factor: float = 1.0
+) -> Optional[dict]:
     """``rope_scaling`` in the one form a ModelConfig keeps (None for plain RoPE).
 
     Takes the transformers 4 spelling (``type``) and the 5 one (``rope_type``, as in
     ``rope_parameters``, whose ``rope_theta`` is read elsewhere). ``llama3`` and ``yarn`` without
     ``original_max_position_embeddings`` take ``max_position_embeddings``, as transformers does;
     ``yarn``'s optional parameters are stored with their values (see _yarn_scaling), as are
-    ``longrope``'s (``d``: the head dim its factor lists must match).
+    ``longrope``'s (``d``: the rotated dims per head, which its factor lists must match).
     """
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
         raise TypeError(f"rope_scaling: expected a dict or None, got {type(scaling).__name__}")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    # transformers 5 keeps the rotated fraction of each head in rope_parameters, whatever the type.
-    if scaling.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+    # The rotated fraction of each head (transformers 5 keeps it in rope_parameters, whatever the
+    # type) is ModelConfig.partial_rotary_factor: a scaling dict must not disagree with it.
+    partial = scaling.get("partial_rotary_factor")
+    if partial is not None and partial != partial_rotary_factor:
         raise ValueError(
-            f"rope_scaling: partial_rotary_factor {scaling['partial_rotary_factor']} (RoPE on part "
-            "of each head, e.g. Phi-4-mini) is not supported"
+            f"rope_scaling: partial_rotary_factor {partial} differs from the config's "
+            f"{partial_rotary_factor}"
         )
     if rope_type == "default":
         return None
@@ -267,6 +278,9 @@ class ModelConfig:
         Mistral/Qwen2 attention window; sequences longer than it are refused (see module doc).
     initializer_range : float
         Standard deviation of the normal initialisation of a freshly built model.
+    partial_rotary_factor : float
+        The fraction of each head that RoPE rotates (its first ``rotary_dim`` dims, the rest
+        passed through): 1 but for Phi-3-style models such as Phi-4-mini (0.75).
     num_experts : int, optional
         Experts per sparse MLP (``qwen3_moe``, ``mixtral``; transformers also spells it
         ``num_local_experts``); None for the dense families.
@@ -302,6 +316,7 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     sliding_window: Optional[int] = None
     initializer_range: float = 0.02
+    partial_rotary_factor: float = 1.0
     num_experts: Optional[int] = None
     num_experts_per_tok: int = 2
     moe_intermediate_size: Optional[int] = None
@@ -344,8 +359,28 @@ class ModelConfig:
         _check_float("rms_norm_eps", self.rms_norm_eps)
         _check_float("rope_theta", self.rope_theta)
         _check_float("initializer_range", self.initializer_range)
+        _check_float("partial_rotary_factor", self.partial_rotary_factor)
+        if self.partial_rotary_factor > 1.0:
+            raise ValueError(
+                f"partial_rotary_factor: expected a fraction in (0, 1], got "
+                f"{self.partial_rotary_factor}"
+            )
+        if self.partial_rotary_factor != 1.0:
+            if self.model_type != "phi3":
+                raise ValueError(
+                    f"partial_rotary_factor: {self.model_type} rotates whole heads; RoPE on "
+                    "part of each head is Phi-3's (Phi-4-mini)"
+                )
+            if self.rotary_dim < 2 or self.rotary_dim % 2:
+                raise ValueError(
+                    f"partial_rotary_factor: rotates {self.rotary_dim} of {self.head_dim} dims "
+                    "per head; RoPE needs an even number >= 2"
+                )
         self.rope_scaling = _rope_scaling(
-            self.rope_scaling, self.max_position_embeddings, self.head_dim
+            self.rope_scaling,
+            self.max_position_embeddings,
+            self.rotary_dim,
+            self.partial_rotary_factor,
         )
         for name in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
@@ -443,6 +478,12 @@ class ModelConfig:
         return limit
 
     @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones): ``head_dim`` times
+        ``partial_rotary_factor``, as transformers rounds it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def fused_projections(self) -> bool:
         """Whether the checkpoint fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``
         (Phi-3)."""
@@ -524,12 +565,13 @@ class ModelConfig:
             sliding_window = None
         if model_type == "llama":
             sliding_window = None
-        partial = hf.get("partial_rotary_factor", 1.0)
-        if partial is not None and partial != 1.0:
-            raise ValueError(
-                f"partial_rotary_factor: {partial} (RoPE on part of each head, e.g. Phi-4-mini) "
-                "is not supported"
-            )
+        # The rotated fraction of each head: rope_parameters' (transformers 5) over the top-level
+        # key, as transformers reads it.
+        partial = hf.get("partial_rotary_factor")
+        if isinstance(scaling, dict) and scaling.get("partial_rotary_factor") is not None:
+            partial = scaling["partial_rotary_factor"]
+        if partial is None:
+            partial = 1.0
 
         missing = [
             k
@@ -577,6 +619,7 @@ class ModelConfig:
             model_type=model_type,
             rope_theta=float(rope_theta),
             rope_scaling=scaling,  # normalised (or refused) by __post_init__
+            partial_rotary_factor=partial,
             sliding_window=sliding_window,
             **kwargs,
         )
@@ -627,6 +670,9 @@ class ModelConfig:
             )
         elif self.model_type in ("mistral", "mixtral", "phi3"):
             hf["sliding_window"] = self.sliding_window
+        if self.partial_rotary_factor != 1.0:
+            hf["partial_rotary_factor"] = self.partial_rotary_factor
+            hf["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
         if self.model_type == "phi3" and self.rope_scaling:
             original = self.rope_scaling.get("original_max_position_embeddings")
             if original is not None:  # Phi-3 keeps its pretraining context at the top level

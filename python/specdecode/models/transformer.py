@@ -68,11 +68,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
-    """The RoPE frequencies of a config, float32 ``[head_dim / 2]``: ``rope_theta ** (-2i / D)``,
+    """The RoPE frequencies of a config, float32 ``[R / 2]`` for the ``R = config.rotary_dim``
+    rotated dims of a head: ``rope_theta ** (-2i / R)``,
     rescaled by ``config.rope_scaling`` (linear, Llama 3's by wavelength, YaRN's by turns; dynamic
     NTK's is plain RoPE within the model's length), in float32 and in the order of operations
     transformers uses, so that the angles match its to the last bit."""
-    d = config.head_dim
+    d = config.rotary_dim
     steps = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
     scaling = config.rope_scaling
     if scaling is not None and scaling["rope_type"] == "yarn":
@@ -141,8 +142,14 @@ def _rope_attention_factor(config: ModelConfig) -> float:
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[B, T, H, D]``; cos/sin ``[B, T, D]`` (non-interleaved halves, the HF convention)."""
-    return x * cos.unsqueeze(2) + _rotate_half(x) * sin.unsqueeze(2)
+    """x ``[B, T, H, D]``; cos/sin ``[B, T, R]`` (non-interleaved halves, the HF convention):
+    the first ``R`` dims of each head rotated, the others (partial RoPE) passed through."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos.unsqueeze(2) + _rotate_half(x) * sin.unsqueeze(2)
+    rot = x[..., :r]
+    rot = rot * cos.unsqueeze(2) + _rotate_half(rot) * sin.unsqueeze(2)
+    return torch.cat((rot, x[..., r:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -508,7 +515,7 @@ class _InferenceWeights:
             # equals swap_halves(x) * sin_signed bit for bit (negation is exact).
             positions = torch.arange(cfg.max_length, device=self.embed.device)
             cos, sin = model._rope(positions, self.embed.dtype)
-            half = cfg.head_dim // 2
+            half = cfg.rotary_dim // 2
             self.cos = cos
             self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
@@ -944,9 +951,10 @@ class Transformer(nn.Module):
             sin = fast.sin_signed[flat_pos].unsqueeze(1)
         else:  # positions beyond max_position_embeddings: computed, as _run does
             cos, sin = self._rope(flat_pos, x.dtype)
-            sin = torch.cat((-sin[:, : d // 2], sin[:, d // 2 :]), dim=-1).unsqueeze(1)
+            r2 = cfg.rotary_dim // 2
+            sin = torch.cat((-sin[:, :r2], sin[:, r2:]), dim=-1).unsqueeze(1)
             cos = cos.unsqueeze(1)
-        half = d // 2
+        rot, half = cfg.rotary_dim, cfg.rotary_dim // 2
         prefix = cache.lengths
         host = cache._host_lengths
         # Every row at the same length (always at batch 1): the new K/V go to one slice.
@@ -983,7 +991,12 @@ class Transformer(nn.Module):
             qk = qkv[:, : q_size + kv_size].view(m_rows, hq + hkv, d)
             if w.qk_norm is not None:
                 qk = _rms_norm(qk, w.qk_norm, eps)
-            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+            if rot == d:
+                qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+            else:  # partial RoPE: the first rot dims of each head only
+                part = qk[..., :rot]
+                part = part * cos + torch.cat((part[..., half:], part[..., :half]), dim=-1) * sin
+                qk = torch.cat((part, qk[..., rot:]), dim=-1)
             k_cache, v_cache = cache.k[i], cache.v[i]
             if sel is None:
                 q = qk[:, :hq].view(batch, t, hq, d)
