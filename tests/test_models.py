@@ -256,9 +256,7 @@ def test_scaled_rope_checkpoint_has_transformers_logits(tmp_path, scaling):
     expected = hf_logits(theirs, ids)
     torch.testing.assert_close(ours.forward_train(ids), expected, rtol=1e-4, atol=1e-4)
     # The scaling matters to these logits: plain RoPE gives others (dynamic NTK: the same).
-    plain = Transformer(ModelConfig.from_hf_config(hf_config("llama").to_dict()))
-    plain.load_state_dict(ours.state_dict())
-    gap = float((plain.forward_train(ids) - expected).detach().abs().max())
+    gap = _plain_rope_gap(ours, "llama", ids, expected)
     assert gap < 1e-4 if scaling == "dynamic" else gap > 0.05
     ours.save_pretrained(tmp_path / "ours")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
@@ -398,9 +396,7 @@ def test_phi3_longrope_within_its_pretraining_context(tmp_path):
     ids = _ids(2, 64, seed=12)
     expected = hf_logits(theirs, ids)
     _assert_both_paths_give(ours, ids, expected)
-    plain = Transformer(ModelConfig.from_hf_config(hf_config("phi3").to_dict()))
-    plain.load_state_dict(ours.state_dict())
-    assert float((plain.forward_train(ids) - expected).detach().abs().max()) > 0.05
+    assert _plain_rope_gap(ours, "phi3", ids, expected) > 0.05
     with pytest.raises(ValueError, match="LongRoPE"):
         ours(torch.tensor([[3]]), torch.tensor([[64]]), ours.new_cache(1))
     # And back: transformers reads our checkpoint with the same scaling.
@@ -443,9 +439,7 @@ def test_phi3_partial_rotary_matches_transformers(tmp_path, partial, longrope):
     ids = _ids(2, 50, seed=13)
     expected = hf_logits(theirs, ids)
     _assert_both_paths_give(ours, ids, expected)
-    full = Transformer(ModelConfig.from_hf_config(hf_config("phi3").to_dict()))
-    full.load_state_dict(ours.state_dict())
-    assert float((full.forward_train(ids) - expected).detach().abs().max()) > 0.05
+    assert _plain_rope_gap(ours, "phi3", ids, expected) > 0.05
     ours.save_pretrained(tmp_path / "ours")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     torch.testing.assert_close(hf_logits(again, ids), expected, rtol=1e-4, atol=1e-4)
@@ -513,6 +507,14 @@ def test_init_matches_hf_scheme():
 
 
 # ---- forward_train parity with transformers ------------------------------------------------
+
+
+def _plain_rope_gap(model: Transformer, family: str, ids: torch.Tensor, expected: torch.Tensor):
+    """The largest logit gap to ``expected`` of ``model``'s weights under plain, whole-head RoPE
+    (the family's default config): how much the model's RoPE variant matters to them."""
+    plain = Transformer(ModelConfig.from_hf_config(hf_config(family).to_dict()))
+    plain.load_state_dict(model.state_dict())
+    return float((plain.forward_train(ids) - expected).detach().abs().max())
 
 
 def _assert_both_paths_give(model: Transformer, ids: torch.Tensor, expected: torch.Tensor):
