@@ -89,8 +89,8 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _rope_context(scaling: dict, max_position_embeddings: int) -> int:
-    """The pretraining context of a llama3 / YaRN scaling; max_position_embeddings when absent,
-    as transformers does."""
+    """The pretraining context of a llama3 / YaRN / LongRoPE scaling; max_position_embeddings
+    when absent, as transformers does."""
     original = scaling.get("original_max_position_embeddings")
     if original is None:
         original = max_position_embeddings
@@ -151,8 +151,9 @@ def _yarn_scaling(scaling: dict, out: dict, max_position_embeddings: int) -> Non
 def _longrope_scaling(scaling: dict, out: dict, max_position_embeddings: int, d: int) -> None:
     """LongRoPE (Phi-3's 128k-context models): per-frequency divisors, ``short_factor`` within the
     pretraining context ``original_max_position_embeddings`` (all this model computes) and
-    ``long_factor`` past it, each ``head_dim / 2`` numbers; cos and sin scaled by the attention
-    factor, by default sqrt(1 + ln f / ln n) for the stretch f = max_position_embeddings / n."""
+    ``long_factor`` past it, each ``d / 2`` numbers (``d``: the rotated dims of a head); cos
+    and sin scaled by the attention factor, by default sqrt(1 + ln f / ln n) for the stretch
+    f = max_position_embeddings / n."""
     original = _rope_context(scaling, max_position_embeddings)
     out["original_max_position_embeddings"] = original
     for key in ("short_factor", "long_factor"):
@@ -231,7 +232,7 @@ def _token_ids(name: str, value: Any) -> None:
 
 @dataclasses.dataclass
 class ModelConfig:
-    """Hyperparameters of a Llama / Qwen2 / Qwen3 / Mistral style decoder (dense or with
+    """Hyperparameters of a Llama / Qwen2 / Qwen3 / Mistral / Phi-3 style decoder (dense or with
     mixture-of-experts MLPs: Qwen3-MoE, Mixtral), named as in Hugging Face.
 
     Attributes
@@ -260,17 +261,22 @@ class ModelConfig:
         ``a``, by default ``0.1 ln f + 1``; optional parameters left out take transformers'
         defaults and are stored with them) or ``{"rope_type": "dynamic", "factor": f}`` (dynamic
         NTK: plain RoPE up to ``max_position_embeddings``, the longest sequence a model takes,
-        beyond which it would rescale).
+        beyond which it would rescale) or ``{"rope_type": "longrope", "short_factor": [...],
+        "long_factor": [...], "original_max_position_embeddings": n, "factor": f,
+        "attention_factor": a}`` (Phi-3's LongRoPE: frequency i divided by ``short_factor[i]``,
+        cos and sin times ``a``; the model's length stops at ``n``, past which transformers
+        switches a whole pass to ``long_factor``).
     max_position_embeddings : int
         The longest sequence (prompt + generation) a KV cache may hold.
     tie_word_embeddings : bool
         ``lm_head.weight`` is ``model.embed_tokens.weight``.
     attention_bias : bool
-        Biases on the q/k/v projections (for ``llama`` and ``qwen3`` also on o). Always True
-        for ``qwen2``, always False for ``mistral``.
+        Biases on the q/k/v projections (for ``llama``, ``qwen3`` and ``qwen3_moe`` also on o).
+        Always True for ``qwen2``, always False for ``mistral``, ``phi3`` and ``mixtral``.
     model_type : str
-        ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"mistral"``; decides the Hugging Face class
-        on export (and, for ``qwen3``, the q/k norms).
+        One of :data:`MODEL_TYPES` (``"llama"``, ``"qwen2"``, ``"qwen3"``, ``"mistral"``,
+        ``"phi3"``, ``"qwen3_moe"``, ``"mixtral"``; see the module doc); decides the Hugging Face
+        class on export and the family's details (q/k norms, fused projections, experts).
     bos_token_id, eos_token_id, pad_token_id : int or list of int, optional
         Special token ids (``eos_token_id`` may be a list; ``pad_token_id`` -1 means none, as
         some Llama exports write it).

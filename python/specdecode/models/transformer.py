@@ -69,10 +69,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
     """The RoPE frequencies of a config, float32 ``[R / 2]`` for the ``R = config.rotary_dim``
-    rotated dims of a head: ``rope_theta ** (-2i / R)``,
-    rescaled by ``config.rope_scaling`` (linear, Llama 3's by wavelength, YaRN's by turns; dynamic
-    NTK's is plain RoPE within the model's length), in float32 and in the order of operations
-    transformers uses, so that the angles match its to the last bit."""
+    rotated dims of a head: ``rope_theta ** (-2i / R)``, rescaled by ``config.rope_scaling``
+    (linear, Llama 3's by wavelength, YaRN's by turns, LongRoPE's short factors; dynamic NTK's is
+    plain RoPE within the model's length), in float32 and in the order of operations transformers
+    uses, so that the angles match its to the last bit."""
     d = config.rotary_dim
     steps = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
     scaling = config.rope_scaling
