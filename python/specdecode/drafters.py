@@ -775,8 +775,12 @@ class ModelDrafter:
                     fed = [slots[i] for i in going]
                     step = [[int(nxt[i])] for i in going]
                     fresh = self._forward_rows(fed, step)[:, 0]
-                    logits = logits.clone()
-                    logits[torch.tensor(going, device=logits.device)] = fresh.to(logits.dtype)
+                    if len(going) == batch:  # every chain goes on (always without a floor)
+                        logits = fresh
+                    else:
+                        logits = logits.clone()
+                        rows = torch.tensor(going, device=logits.device)
+                        logits[rows] = fresh.to(logits.dtype)
                     for s, x in zip(fed, step):
                         self._fed[s].extend(x)
         parents = ops.chain_parents(batch, depth).to(torch.int32)
