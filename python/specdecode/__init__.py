@@ -6,7 +6,7 @@ and a thin Python layer around them. The kernels are in :mod:`specdecode.ops`.
 
 from __future__ import annotations
 
-from . import drafters, engine, models, ops
+from . import drafters, engine, models, ops, timeseries
 from ._info import get_num_threads, get_threading, info, set_num_threads, set_threading
 from .engine import GenerationOutput, GenerationStats, SpeculativeDecoder, generate
 from .ops import PAD_TOKEN, TreeInfo, chain_parents, tree_info, tree_paths
@@ -32,5 +32,6 @@ __all__ = [
     "set_num_threads",
     "set_threading",
     "tree_info",
+    "timeseries",
     "tree_paths",
 ]

@@ -1687,13 +1687,14 @@ def _root_tree(
 class _Progress:
     """A minimal progress bar: tqdm when installed, else a carriage-return line on stderr."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, unit: str = "tok", units: str = "tokens") -> None:
         self.total, self.count = total, 0
+        self.units = units
         self._closed = False
         try:
             from tqdm import tqdm
 
-            self._bar: Any = tqdm(total=total, unit="tok")
+            self._bar: Any = tqdm(total=total, unit=unit)
         except ImportError:
             self._bar = None
 
@@ -1704,7 +1705,7 @@ class _Progress:
         else:
             import sys
 
-            sys.stderr.write(f"\r{self.count}/{self.total} tokens")
+            sys.stderr.write(f"\r{self.count}/{self.total} {self.units}")
             sys.stderr.flush()
 
     def finish(self) -> None:
@@ -1720,7 +1721,7 @@ class _Progress:
             import sys
 
             # Spaces cover the end of the longer line written before (the old total's digits).
-            sys.stderr.write(f"\r{self.count}/{self.total} tokens" + " " * 12)
+            sys.stderr.write(f"\r{self.count}/{self.total} {self.units}" + " " * 12)
             sys.stderr.flush()
 
     def close(self) -> None:

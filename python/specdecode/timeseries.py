@@ -1,0 +1,1011 @@
+"""Speculative decoding for time-series forecasters with Gaussian outputs.
+
+Patch-based time-series foundation models (TimesFM, Timer, Moirai and their kind) forecast a
+series one *patch* of ``P`` values at a time, each patch conditioned on the ones before it, so a
+horizon of ``H`` patches costs ``H`` sequential passes of a large model. Speculative decoding
+carries over from tokens to such models (Subbaraman et al., 2025, "Accelerating Time Series
+Foundation Models with Speculative Decoding"): a small draft forecaster proposes ``k`` patches,
+the target scores all of them in one pass, and a rejection test on the two models' densities keeps
+the target's law. Every step, for every unfinished series:
+
+1. **draft**: the draft forecaster draws ``k`` patches one after another, each from its Gaussian
+   given the history and the drafts before it;
+2. **target pass**: one call of the target over history + drafts gives ``k + 1`` Gaussians;
+3. **verify** (:func:`verify_gaussian`): draft ``i`` is accepted with probability
+   ``min(1, p_i(x_i) / q_i(x_i))``; the first rejected one is replaced by a *correction* patch
+   drawn from the residual ``max(0, p - q)`` (normalised), and a *bonus* patch is drawn from
+   ``p_k`` when every draft is accepted;
+4. **commit**: the accepted drafts and the correction or bonus patch join the history.
+
+With ``lenience = 1`` each committed patch has exactly the target's distribution given the
+patches the target was shown (the lossless variant); ``lenience < 1`` accepts more drafts at the
+cost of that exactness (the paper's practical variant). ``method="mean"`` forecasts the models'
+means (point forecasts) and accepts a draft patch whose every value lies within ``tolerance``
+target standard deviations of the target's mean; ``tolerance = 0`` gives exactly the target's own
+mean rollout.
+
+**The forecaster protocol.** A forecaster is a callable ``model(patches) -> (mean, std)``:
+``patches`` is a float tensor ``[B, L, P]`` and ``mean``, ``std`` are ``[B, L, P]``, where entry
+``t`` is the distribution of patch ``t + 1`` given patches ``0..t`` (causal: it must not depend on
+later patches), a Gaussian with diagonal covariance. An optional attribute ``max_patches`` bounds
+``L``. :class:`PatchForecaster` is a small causal Transformer that follows it, and
+:func:`fit_forecaster` trains one with the Gaussian likelihood, e.g. on :func:`synthetic_series`.
+Rows of a batch hold histories of different lengths right-aligned at position 0 and padded on the
+right: a causal model's outputs at the valid positions do not see the padding.
+
+Randomness comes from one ``torch.Generator`` (not the counter-based Philox streams of the token
+kernels): a forecast is reproducible for a given generator state, batch and draft length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .engine import _Progress
+
+__all__ = [
+    "ForecastOutput",
+    "ForecastStats",
+    "GaussianVerifyOutput",
+    "PatchForecaster",
+    "distill_forecaster",
+    "fit_forecaster",
+    "forecast",
+    "gaussian_kl",
+    "gaussian_log_prob",
+    "synthetic_series",
+    "verify_gaussian",
+    "verify_gaussian_mean",
+]
+
+_METHODS = ("sample", "mean")
+# Residual candidates tried per pending row in the first round of the correction sampler; each
+# later round doubles it, up to _RESIDUAL_ROUND_CAP.
+_RESIDUAL_FIRST_ROUND = 16
+_RESIDUAL_ROUND_CAP = 8192
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+class GaussianVerifyOutput(NamedTuple):
+    """What :func:`verify_gaussian` and :func:`verify_gaussian_mean` return.
+
+    Attributes
+    ----------
+    num_accepted : torch.Tensor
+        int64 ``[B]``: accepted draft patches per row, ``0 <= num_accepted <= K``.
+    next_patch : torch.Tensor
+        ``[B, P]``, the target's dtype: the correction patch at the first rejection, or the bonus
+        patch after ``K`` accepted drafts.
+    residual_fallbacks : int
+        Rows whose correction could not be drawn from the residual within ``max_residual_draws``
+        candidates and was drawn from the target's Gaussian instead (see :func:`verify_gaussian`);
+        always 0 for :func:`verify_gaussian_mean`.
+    """
+
+    num_accepted: torch.Tensor
+    next_patch: torch.Tensor
+    residual_fallbacks: int
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Log-density of a patch under a Gaussian with diagonal covariance, in float64.
+
+    Parameters
+    ----------
+    x, mean, std : torch.Tensor
+        Float ``[..., P]`` (broadcastable to one shape); ``std > 0``.
+
+    Returns
+    -------
+    torch.Tensor
+        float64 ``[...]``: ``sum_j log N(x_j; mean_j, std_j^2)``.
+    """
+    x64, mean64, std64 = x.double(), mean.double(), std.double()
+    z = (x64 - mean64) / std64
+    return (-0.5 * z * z - torch.log(std64) - _LOG_SQRT_2PI).sum(-1)
+
+
+def _check_float(name: str, t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: Sequence[int], layout: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {layout} = {list(shape)}, got {list(t.shape)}")
+
+
+def _check_std(name: str, std: torch.Tensor) -> None:
+    # One host sync per call: the tensors are [B, K, P], small next to a forecaster's pass.
+    if std.numel() and not bool(torch.isfinite(std).all() and (std > 0).all()):
+        raise ValueError(f"{name}: every standard deviation must be finite and > 0")
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name}: must be finite (found NaN or inf)")
+
+
+def _check_verify_inputs(
+    draft_mean: torch.Tensor, target_mean: torch.Tensor, others: dict[str, torch.Tensor]
+) -> tuple[int, int, int]:
+    """Common checks of the verify functions; returns (B, K, P)."""
+    _check_float("draft_mean", draft_mean)
+    _check_float("target_mean", target_mean)
+    if draft_mean.dim() != 3:
+        raise ValueError(f"draft_mean: expected [B, K, P], got shape {list(draft_mean.shape)}")
+    batch, k, patch = draft_mean.shape
+    _check_shape("target_mean", target_mean, (batch, k + 1, patch), "[B, K + 1, P]")
+    for name, t in others.items():
+        _check_float(name, t)
+        is_target = name.startswith("target")
+        shape = (batch, k + 1, patch) if is_target else (batch, k, patch)
+        _check_shape(name, t, shape, "[B, K + 1, P]" if is_target else "[B, K, P]")
+    device = draft_mean.device
+    for name, t in [("target_mean", target_mean), *others.items()]:
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, but draft_mean is on {device}")
+    _check_finite("draft_mean", draft_mean)
+    _check_finite("target_mean", target_mean)
+    for name, t in others.items():
+        if name.endswith("std"):
+            _check_std(name, t)
+        else:
+            _check_finite(name, t)
+    return batch, k, patch
+
+
+def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: the number of leading True entries of each row of a bool [B, K] tensor."""
+    if accept.shape[1] == 0:
+        return torch.zeros(accept.shape[0], dtype=torch.int64, device=accept.device)
+    return accept.to(torch.int64).cumprod(1).sum(1)
+
+
+def _draw_gaussian(
+    mean: torch.Tensor, std: torch.Tensor, generator: Optional[torch.Generator]
+) -> torch.Tensor:
+    noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+    return mean + std * noise
+
+
+def _sample_residual(
+    p_mean: torch.Tensor,
+    p_std: torch.Tensor,
+    q_mean: torch.Tensor,
+    q_std: torch.Tensor,
+    generator: Optional[torch.Generator],
+    max_draws: int,
+) -> tuple[torch.Tensor, int]:
+    """Draws one patch per row from ``max(0, p - q)`` normalised; rows ``[R, P]``.
+
+    Rejection sampling from ``p``: a candidate ``y ~ p`` is kept with probability
+    ``1 - min(1, q(y) / p(y))``, and the first kept candidate of each row, in draw order, is its
+    sample, which then has exactly the residual's law. A candidate is kept with probability
+    ``TV(p, q)``, so a row needs ``1 / TV`` candidates on average; rows are drawn in rounds of
+    doubling size. A row with no kept candidate after ``max_draws`` gets a draw from ``p``
+    instead (counted): that happens with probability ``(1 - TV)^max_draws`` and only after a
+    rejection, which itself has probability ``TV``, so it moves the law by at most
+    ``max_t t (1 - t)^max_draws <= 1 / (e * max_draws)`` in total variation.
+    """
+    rows, patch = p_mean.shape
+    out = torch.empty_like(p_mean)
+    pending = torch.arange(rows, device=p_mean.device)
+    drawn, round_size = 0, _RESIDUAL_FIRST_ROUND
+    while pending.numel() and drawn < max_draws:
+        size = min(round_size, max_draws - drawn)
+        mean, std = p_mean[pending, None], p_std[pending, None]
+        shape = (pending.numel(), size, patch)
+        y = mean + std * torch.randn(
+            shape, generator=generator, device=mean.device, dtype=mean.dtype
+        )
+        log_q_over_p = gaussian_log_prob(y, q_mean[pending, None], q_std[pending, None])
+        log_q_over_p = log_q_over_p - gaussian_log_prob(y, mean, std)
+        u = torch.rand(
+            log_q_over_p.shape, generator=generator, device=y.device, dtype=torch.float64
+        )
+        kept = u < -torch.expm1(log_q_over_p.clamp(max=0.0))
+        found = kept.any(1)
+        first = kept.to(torch.int8).argmax(1)
+        hit = found.nonzero().squeeze(1)
+        out[pending[hit]] = y[hit, first[hit]]
+        pending = pending[~found]
+        drawn += size
+        round_size = min(2 * round_size, _RESIDUAL_ROUND_CAP)
+    fallbacks = int(pending.numel())
+    if fallbacks:
+        out[pending] = _draw_gaussian(p_mean[pending], p_std[pending], generator)
+    return out, fallbacks
+
+
+def verify_gaussian(
+    draft: torch.Tensor,
+    draft_mean: torch.Tensor,
+    draft_std: torch.Tensor,
+    target_mean: torch.Tensor,
+    target_std: torch.Tensor,
+    *,
+    lenience: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    max_residual_draws: int = 1 << 20,
+) -> GaussianVerifyOutput:
+    """Verifies a batch of drafted Gaussian patch chains against the target (rejection sampling).
+
+    Draft ``i`` of row ``b`` is accepted with probability ``min(1, p(x) / (lenience * q(x)))``,
+    ``p = N(target_mean[b, i], target_std[b, i]^2)``, ``q = N(draft_mean[b, i],
+    draft_std[b, i]^2)`` (diagonal); the row keeps its drafts up to the first rejection. At the
+    first rejection the correction patch is drawn from ``max(0, p - q)`` normalised; after ``K``
+    accepted drafts the bonus patch is drawn from ``p = N(target_mean[b, K], ...)``. With
+    ``lenience = 1`` and drafts drawn from ``q`` the emitted patches are distributed exactly as
+    ancestral sampling from the target (up to the fallback bound below).
+
+    Parameters
+    ----------
+    draft : torch.Tensor
+        Float ``[B, K, P]``: the drafted patches, ``draft[b, i] ~ q`` given the drafts before it.
+    draft_mean, draft_std : torch.Tensor
+        Float ``[B, K, P]``: the draft forecaster's Gaussians the drafts were drawn from.
+    target_mean, target_std : torch.Tensor
+        Float ``[B, K + 1, P]``: the target's Gaussians for the patch at each draft position and
+        for the one after the last draft (the bonus).
+    lenience : float
+        In ``(0, 1]``; below 1 it accepts drafts the target finds up to ``1 / lenience`` times less
+        likely than the draft does. The emitted law is then no longer the target's.
+    generator : torch.Generator, optional
+        Source of randomness, on the tensors' device.
+    max_residual_draws : int
+        Candidates per row the correction sampler may draw before falling back to a draw from
+        ``p``; the fallback moves the emitted law by at most ``1 / (e * max_residual_draws)`` in
+        total variation (about 3.5e-7 at the default) and is counted in ``residual_fallbacks``.
+
+    Returns
+    -------
+    GaussianVerifyOutput
+        ``num_accepted`` int64 ``[B]``, ``next_patch`` ``[B, P]`` (the target's dtype) and the
+        count of residual fallbacks.
+    """
+    batch, k, patch = _check_verify_inputs(
+        draft_mean,
+        target_mean,
+        {"draft": draft, "draft_std": draft_std, "target_std": target_std},
+    )
+    if not 0.0 < lenience <= 1.0:
+        raise ValueError(f"lenience: expected a value in (0, 1], got {lenience}")
+    if int(max_residual_draws) < 1:
+        raise ValueError(f"max_residual_draws: expected >= 1, got {max_residual_draws}")
+    device = draft.device
+    if k:
+        log_ratio = gaussian_log_prob(draft, target_mean[:, :k], target_std[:, :k])
+        log_ratio = log_ratio - gaussian_log_prob(draft, draft_mean, draft_std)
+        u = torch.rand((batch, k), generator=generator, device=device, dtype=torch.float64)
+        # u < min(1, ratio / lenience) in log space; u < 1 always, so a ratio >= lenience accepts.
+        accept = torch.log(u) < (log_ratio - math.log(lenience)).clamp(max=0.0)
+        num_accepted = _accepted_prefix(accept)
+    else:
+        num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
+    rows = torch.arange(batch, device=device)
+    p_mean, p_std = target_mean[rows, num_accepted], target_std[rows, num_accepted]
+    next_patch = torch.empty_like(p_mean)
+    bonus = (num_accepted == k).nonzero().squeeze(1)
+    next_patch[bonus] = _draw_gaussian(p_mean[bonus], p_std[bonus], generator)
+    rejected = (num_accepted < k).nonzero().squeeze(1)
+    fallbacks = 0
+    if rejected.numel():
+        at = num_accepted[rejected]
+        correction, fallbacks = _sample_residual(
+            p_mean[rejected],
+            p_std[rejected],
+            draft_mean[rejected, at].to(p_mean.dtype),
+            draft_std[rejected, at].to(p_mean.dtype),
+            generator,
+            int(max_residual_draws),
+        )
+        next_patch[rejected] = correction
+    return GaussianVerifyOutput(num_accepted, next_patch, fallbacks)
+
+
+def verify_gaussian_mean(
+    draft_mean: torch.Tensor,
+    target_mean: torch.Tensor,
+    target_std: torch.Tensor,
+    *,
+    tolerance: float = 0.0,
+) -> GaussianVerifyOutput:
+    """Verifies drafted point forecasts (means) against the target's means.
+
+    Draft ``i`` of row ``b`` is accepted when every value lies within ``tolerance`` target
+    standard deviations of the target's mean, ``|draft_mean - target_mean| <= tolerance *
+    target_std``; the row keeps its drafts up to the first one that does not. The next patch is
+    the target's mean at the first rejection, or after the last draft. With ``tolerance = 0`` only
+    drafts equal to the target's means are kept, so the emitted patches are exactly the target's
+    own mean rollout.
+
+    Parameters
+    ----------
+    draft_mean : torch.Tensor
+        Float ``[B, K, P]``: the drafted patches (the draft forecaster's means).
+    target_mean, target_std : torch.Tensor
+        Float ``[B, K + 1, P]``: the target's Gaussians at each draft position and after the last.
+    tolerance : float
+        ``>= 0``, in target standard deviations.
+
+    Returns
+    -------
+    GaussianVerifyOutput
+        ``num_accepted`` int64 ``[B]``, ``next_patch`` ``[B, P]``, ``residual_fallbacks = 0``.
+    """
+    batch, k, _ = _check_verify_inputs(draft_mean, target_mean, {"target_std": target_std})
+    if not (tolerance >= 0.0 and math.isfinite(tolerance)):
+        raise ValueError(f"tolerance: expected a finite value >= 0, got {tolerance}")
+    gap = (draft_mean.double() - target_mean[:, :k].double()).abs()
+    accept = (gap <= tolerance * target_std[:, :k].double()).all(-1)
+    num_accepted = _accepted_prefix(accept)
+    rows = torch.arange(batch, device=draft_mean.device)
+    return GaussianVerifyOutput(num_accepted, target_mean[rows, num_accepted].clone(), 0)
+
+
+@dataclasses.dataclass
+class ForecastStats:
+    """What a :func:`forecast` call did.
+
+    Attributes
+    ----------
+    steps : int
+        Target calls (one per step).
+    row_steps : int
+        Sum over steps of the series still forecasting.
+    patches : int
+        Patches forecast over all series (the horizon times the batch once the call is done).
+    draft_calls : int
+        Draft forecaster calls.
+    offered_by_position, accepted_counts_by_position : list of int
+        Entry ``d - 1``: row-steps whose draft reached depth ``d``, resp. in which the draft patch
+        at depth ``d`` was accepted.
+    residual_fallbacks : int
+        Corrections drawn from the target's Gaussian after ``max_residual_draws`` candidates.
+    draft_time, verify_time, wall_time : float
+        Seconds: the draft calls, the target calls plus verification, the whole call.
+    """
+
+    steps: int = 0
+    row_steps: int = 0
+    patches: int = 0
+    draft_calls: int = 0
+    offered_by_position: list[int] = dataclasses.field(default_factory=list)
+    accepted_counts_by_position: list[int] = dataclasses.field(default_factory=list)
+    residual_fallbacks: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    wall_time: float = 0.0
+
+    @property
+    def accepted_by_position(self) -> list[float]:
+        """Entry ``d - 1``: the fraction of drafts at depth ``d`` that were accepted."""
+        return [
+            a / o if o else 0.0
+            for a, o in zip(self.accepted_counts_by_position, self.offered_by_position)
+        ]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft patches / drafted patches (0.0 when nothing was drafted)."""
+        offered = sum(self.offered_by_position)
+        return sum(self.accepted_counts_by_position) / offered if offered else 0.0
+
+    @property
+    def patches_per_step(self) -> float:
+        """Mean patches committed per series per target call (1.0 without a draft)."""
+        return self.patches / self.row_steps if self.row_steps else 0.0
+
+
+class ForecastOutput(NamedTuple):
+    """What :func:`forecast` returns.
+
+    Attributes
+    ----------
+    forecast : torch.Tensor
+        ``[B, H, P]``, the context's dtype and device: the forecast patches.
+    stats : ForecastStats
+    """
+
+    forecast: torch.Tensor
+    stats: ForecastStats
+
+
+def _model_name(model: Any) -> str:
+    return type(model).__name__
+
+
+def _max_patches(model: Any) -> Optional[int]:
+    limit = getattr(model, "max_patches", None)
+    return None if limit is None else int(limit)
+
+
+def _call_forecaster(
+    model: Any, role: str, window: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs a forecaster on ``[R, W, P]``; checks that it returned ``(mean, std)`` of that shape."""
+    result = model(window)
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        got = type(result).__name__
+        raise ValueError(f"{role} forecaster {_model_name(model)}: expected (mean, std), got {got}")
+    mean, std = result
+    for name, t in (("mean", mean), ("std", std)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(window.shape):
+            shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{role} forecaster {_model_name(model)}: {name} must have the input's shape "
+                f"[B, L, P] = {list(window.shape)}, got {shape}"
+            )
+    return mean, std
+
+
+def _window(
+    history: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor, max_context: Optional[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's last ``max_context`` patches before ``ends``, right-padded to one width.
+
+    Returns the window ``[R, W, P]`` and the index in it of each row's last patch. Invariant:
+    ``start + W <= history.shape[1]`` for every row (a row whose window starts later is at most
+    ``max_context`` wide, one that starts at 0 at most ``max(ends)``), so the gather stays in
+    bounds; what a row holds past its own end is padding its causal outputs do not see.
+    """
+    start = torch.zeros_like(ends) if max_context is None else (ends - max_context).clamp(min=0)
+    width = int((ends - start).max())
+    index = start[:, None] + torch.arange(width, device=ends.device)
+    return history[rows[:, None], index], ends - start - 1
+
+
+def _draft_step(
+    draft: Any,
+    history: torch.Tensor,
+    rows: torch.Tensor,
+    ends: torch.Tensor,
+    max_context: Optional[int],
+    method: str,
+    generator: Optional[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One draft patch per row after ``ends``: (patch, mean, std), each ``[R, P]``."""
+    window, last = _window(history, rows, ends, max_context)
+    mean, std = _call_forecaster(draft, "draft", window)
+    picked = torch.arange(rows.numel(), device=rows.device)
+    mean, std = mean[picked, last].to(history.dtype), std[picked, last].to(history.dtype)
+    if method == "mean":
+        return mean, mean, std
+    return _draw_gaussian(mean, std, generator), mean, std
+
+
+def _target_span(
+    target: Any,
+    history: torch.Tensor,
+    rows: torch.Tensor,
+    ends: torch.Tensor,
+    k: int,
+    max_context: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's Gaussians for the patches at ``ends .. ends + k``: two ``[R, k + 1, P]``."""
+    window, last = _window(history, rows, ends + k, max_context)
+    mean, std = _call_forecaster(target, "target", window)
+    positions = (last - k)[:, None] + torch.arange(k + 1, device=rows.device)
+    picked = torch.arange(rows.numel(), device=rows.device)[:, None]
+    return mean[picked, positions].to(history.dtype), std[picked, positions].to(history.dtype)
+
+
+def _check_forecast_args(
+    target: Any,
+    draft: Any,
+    context: Any,
+    horizon: int,
+    num_draft: int,
+    method: str,
+    lenience: float,
+    tolerance: float,
+    max_context: Optional[int],
+) -> Optional[int]:
+    """Validates :func:`forecast`'s arguments; returns the context window to use."""
+    _check_float("context", context)
+    if context.dim() != 3 or context.shape[1] < 1 or context.shape[2] < 1:
+        raise ValueError(
+            f"context: expected [B, L, P] with L >= 1 and P >= 1, got shape {list(context.shape)}"
+        )
+    _check_finite("context", context)
+    if int(horizon) < 1:
+        raise ValueError(f"horizon: expected >= 1 patches, got {horizon}")
+    if method not in _METHODS:
+        raise ValueError(f"method: expected one of {_METHODS}, got {method!r}")
+    if draft is not None and int(num_draft) < 1:
+        raise ValueError(f"num_draft: expected >= 1 with a draft forecaster, got {num_draft}")
+    if method == "mean" and lenience != 1.0:
+        raise ValueError("lenience applies to method='sample'; method='mean' uses tolerance")
+    if method == "sample" and tolerance != 0.0:
+        raise ValueError("tolerance applies to method='mean'; method='sample' uses lenience")
+    limits = [
+        (name, limit)
+        for name, model in (("target", target), ("draft", draft))
+        if model is not None and (limit := _max_patches(model)) is not None
+    ]
+    if max_context is None:
+        return min((limit for _, limit in limits), default=None)
+    if int(max_context) < 1:
+        raise ValueError(f"max_context: expected >= 1 patches, got {max_context}")
+    for name, limit in limits:
+        if int(max_context) > limit:
+            raise ValueError(
+                f"max_context: {max_context} patches, but the {name} forecaster takes at most "
+                f"{limit} (its max_patches)"
+            )
+    return int(max_context)
+
+
+def _stack(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The drafts of a step as ``[R, k, P]`` (``k = 0``: an empty tensor shaped like ``like``)."""
+    if parts:
+        return torch.stack(parts, 1)
+    return like.new_zeros((like.shape[0], 0, like.shape[2]))
+
+
+def _record_acceptance(stats: ForecastStats, k: int, num_accepted: torch.Tensor) -> None:
+    while len(stats.offered_by_position) < k:
+        stats.offered_by_position.append(0)
+        stats.accepted_counts_by_position.append(0)
+    counts = torch.bincount(num_accepted, minlength=k + 1).tolist()
+    reached = num_accepted.numel()
+    for depth in range(k):
+        stats.offered_by_position[depth] += num_accepted.numel()
+        reached -= counts[depth]
+        stats.accepted_counts_by_position[depth] += reached
+
+
+def forecast(
+    target: Any,
+    context: torch.Tensor,
+    horizon: int,
+    *,
+    draft: Any = None,
+    num_draft: int = 4,
+    method: str = "sample",
+    lenience: float = 1.0,
+    tolerance: float = 0.0,
+    max_context: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+    max_residual_draws: int = 1 << 20,
+    progress: bool = False,
+) -> ForecastOutput:
+    """Forecasts ``horizon`` patches per series, speculatively when a draft forecaster is given.
+
+    Parameters
+    ----------
+    target : forecaster
+        The model whose forecast law is kept (see the module docstring for the protocol); put it
+        in eval mode first.
+    context : torch.Tensor
+        Float ``[B, L, P]``: each series' last ``L`` patches of ``P`` values (scaled as the
+        forecasters expect).
+    horizon : int
+        Patches to forecast per series.
+    draft : forecaster, optional
+        The draft forecaster; None forecasts with the target alone, one call per patch (the
+        baseline).
+    num_draft : int
+        Patches drafted per step (``k``); fewer near the horizon.
+    method : {"sample", "mean"}
+        ``"sample"``: sample paths, verified by :func:`verify_gaussian`. ``"mean"``: point
+        forecasts (each model's mean), verified by :func:`verify_gaussian_mean`.
+    lenience : float
+        ``method="sample"`` only, in ``(0, 1]``; 1 keeps the target's law exactly.
+    tolerance : float
+        ``method="mean"`` only, ``>= 0`` target standard deviations; 0 gives exactly the target's
+        mean rollout.
+    max_context : int, optional
+        The most patches a model call sees (each row's latest ones). Default: the smaller
+        ``max_patches`` of the two forecasters, or unbounded. Once a history is longer, one
+        target call covers the history's last ``max_context - k`` patches plus the ``k`` drafts,
+        so a verified patch is conditioned on ``max_context - k`` to ``max_context`` patches; its
+        law is the target's given exactly those.
+    generator : torch.Generator, optional
+        Source of randomness (draws, acceptance tests), on the context's device.
+    max_residual_draws : int
+        As in :func:`verify_gaussian`.
+    progress : bool
+        Show a progress bar of forecast patches (tqdm if installed, else a line on stderr).
+
+    Returns
+    -------
+    ForecastOutput
+        ``forecast`` ``[B, horizon, P]`` (the context's dtype and device) and
+        :class:`ForecastStats`.
+    """
+    window = _check_forecast_args(
+        target, draft, context, horizon, num_draft, method, lenience, tolerance, max_context
+    )
+    started = time.perf_counter()
+    batch, known, patch = context.shape
+    horizon, k_max = int(horizon), (int(num_draft) if draft is not None else 0)
+    # Room for the context, the horizon and the drafts of a last step that overshoots it.
+    history = context.new_zeros((batch, known + horizon + k_max + 1, patch))
+    history[:, :known] = context
+    lengths = torch.full((batch,), known, dtype=torch.int64, device=context.device)
+    goal = known + horizon
+    stats = ForecastStats()
+    bar = _Progress(batch * horizon, unit="patch", units="patches") if progress else None
+    try:
+        with torch.no_grad():
+            while True:
+                rows = (lengths < goal).nonzero().squeeze(1)
+                if not rows.numel():
+                    break
+                ends = lengths[rows]
+                remaining = goal - ends
+                # Drafting past the last patch of the longest remaining horizon buys nothing.
+                k = min(k_max, int(remaining.max()) - 1)
+                tick = time.perf_counter()
+                drafts, draft_means, draft_stds = [], [], []
+                for depth in range(k):
+                    x, mean, std = _draft_step(
+                        draft, history, rows, ends + depth, window, method, generator
+                    )
+                    history[rows, ends + depth] = x
+                    drafts.append(x)
+                    draft_means.append(mean)
+                    draft_stds.append(std)
+                stats.draft_calls += k
+                tock = time.perf_counter()
+                stats.draft_time += tock - tick
+                target_mean, target_std = _target_span(target, history, rows, ends, k, window)
+                if method == "mean":
+                    out = verify_gaussian_mean(
+                        _stack(draft_means, target_mean),
+                        target_mean,
+                        target_std,
+                        tolerance=tolerance,
+                    )
+                else:
+                    out = verify_gaussian(
+                        _stack(drafts, target_mean),
+                        _stack(draft_means, target_mean),
+                        _stack(draft_stds, target_mean),
+                        target_mean,
+                        target_std,
+                        lenience=lenience,
+                        generator=generator,
+                        max_residual_draws=max_residual_draws,
+                    )
+                stats.verify_time += time.perf_counter() - tock
+                history[rows, ends + out.num_accepted] = out.next_patch
+                lengths[rows] = ends + out.num_accepted + 1
+                committed = int(torch.minimum(out.num_accepted + 1, remaining).sum())
+                stats.steps += 1
+                stats.row_steps += rows.numel()
+                stats.patches += committed
+                stats.residual_fallbacks += out.residual_fallbacks
+                _record_acceptance(stats, k, out.num_accepted)
+                if bar is not None:
+                    bar.update(committed)
+    finally:
+        if bar is not None:
+            bar.close()
+    stats.wall_time = time.perf_counter() - started
+    return ForecastOutput(history[:, known:goal].clone(), stats)
+
+
+class PatchForecaster(nn.Module):
+    """A small causal Transformer over patches with a Gaussian head (the forecaster protocol).
+
+    Each patch is embedded by a linear map plus a learned position (the index in the window),
+    a stack of pre-norm Transformer layers with a causal mask mixes them, and a linear head gives
+    the next patch's mean (as an offset from the current patch's last value) and standard
+    deviation (``softplus + min_std``).
+
+    Parameters
+    ----------
+    patch_len : int
+        ``P``, values per patch.
+    dim, num_layers, num_heads : int
+        Width, depth and heads of the Transformer (``dim`` a multiple of ``num_heads``).
+    max_patches : int
+        The longest window (``L``) the model takes.
+    min_std : float
+        Floor of the predicted standard deviations.
+    """
+
+    def __init__(
+        self,
+        patch_len: int,
+        *,
+        dim: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        max_patches: int = 64,
+        min_std: float = 1e-3,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("patch_len", patch_len),
+            ("dim", dim),
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("max_patches", max_patches),
+        ):
+            if int(value) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {value}")
+        if dim % num_heads:
+            raise ValueError(f"dim: {dim} is not a multiple of num_heads = {num_heads}")
+        if not min_std > 0.0:
+            raise ValueError(f"min_std: expected > 0, got {min_std}")
+        self.patch_len, self.max_patches, self.min_std = int(patch_len), int(max_patches), min_std
+        self.embed = nn.Linear(patch_len, dim)
+        self.position = nn.Embedding(max_patches, dim)
+        layer = nn.TransformerEncoderLayer(
+            dim,
+            num_heads,
+            4 * dim,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.layers = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 2 * patch_len)
+
+    def forward(self, patches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gaussians of the next patch after each position.
+
+        Parameters
+        ----------
+        patches : torch.Tensor
+            Float ``[B, L, P]``, ``1 <= L <= max_patches``.
+
+        Returns
+        -------
+        mean, std : torch.Tensor
+            ``[B, L, P]`` each: entry ``t`` is the distribution of patch ``t + 1``.
+        """
+        if patches.dim() != 3 or patches.shape[2] != self.patch_len:
+            raise ValueError(
+                f"patches: expected [B, L, {self.patch_len}], got shape {list(patches.shape)}"
+            )
+        length = patches.shape[1]
+        if not 1 <= length <= self.max_patches:
+            raise ValueError(f"patches: L = {length}, expected 1 <= L <= {self.max_patches}")
+        h = self.embed(patches) + self.position.weight[:length]
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=patches.device)
+        h = self.layers(h, mask=mask.to(h.dtype), is_causal=True)
+        offset, raw_std = self.head(self.norm(h)).split(self.patch_len, -1)
+        return patches[..., -1:] + offset, F.softplus(raw_std) + self.min_std
+
+
+def synthetic_series(
+    num_series: int,
+    length: int,
+    *,
+    generator: Optional[torch.Generator] = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Random seasonal series for training and benchmarking forecasters offline.
+
+    Each series is a level, a linear trend, two seasonal sines (periods 8-40 and 40-160 steps,
+    random amplitudes and phases) and AR(1) noise (coefficient 0.3-0.9, innovation scale
+    0.05-0.25), all drawn per series.
+
+    Parameters
+    ----------
+    num_series, length : int
+        ``N`` series of ``T`` values (both ``>= 1``).
+    generator : torch.Generator, optional
+        A CPU generator; the series are a function of its state.
+    dtype : torch.dtype
+        Floating dtype of the result.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[N, T]``, on the CPU.
+    """
+    if int(num_series) < 1 or int(length) < 1:
+        raise ValueError(f"num_series and length: expected >= 1, got {num_series}, {length}")
+    n, t = int(num_series), int(length)
+
+    def uniform(low: float, high: float) -> torch.Tensor:
+        return low + (high - low) * torch.rand((n, 1), generator=generator, dtype=torch.float64)
+
+    steps = torch.arange(t, dtype=torch.float64)[None]
+    series = 0.5 * torch.randn((n, 1), generator=generator, dtype=torch.float64)
+    series = series + uniform(-1.0, 1.0) * steps / t
+    for (low, high), (a_low, a_high) in (((8.0, 40.0), (0.5, 1.5)), ((40.0, 160.0), (0.2, 0.8))):
+        period, phase = uniform(low, high), uniform(0.0, 2.0 * math.pi)
+        series = series + uniform(a_low, a_high) * torch.sin(2.0 * math.pi * steps / period + phase)
+    phi, scale = uniform(0.3, 0.9), uniform(0.05, 0.25)
+    innovations = scale * torch.randn((n, t), generator=generator, dtype=torch.float64)
+    noise = torch.empty((n, t), dtype=torch.float64)
+    level = torch.zeros((n, 1), dtype=torch.float64)
+    for i in range(t):
+        level = phi * level + innovations[:, i : i + 1]
+        noise[:, i : i + 1] = level
+    return (series + noise).to(dtype)
+
+
+def _check_training_args(model: Any, series: Any, steps: int, batch_size: int) -> tuple[int, int]:
+    """Validates a training call; returns (patch_len, window patches including the label)."""
+    _check_float("series", series)
+    patch = int(getattr(model, "patch_len", 0))
+    limit = int(getattr(model, "max_patches", 0))
+    if patch < 1 or limit < 1:
+        raise ValueError("model: expected patch_len and max_patches attributes >= 1")
+    if series.dim() != 2 or series.shape[1] < 2 * patch:
+        raise ValueError(
+            f"series: expected [N, T] with T >= 2 * patch_len = {2 * patch}, "
+            f"got shape {list(series.shape)}"
+        )
+    if int(steps) < 1 or int(batch_size) < 1:
+        raise ValueError(f"steps and batch_size: expected >= 1, got {steps}, {batch_size}")
+    _check_finite("series", series)
+    return patch, min(limit + 1, series.shape[1] // patch)
+
+
+def _random_windows(
+    data: torch.Tensor, batch: int, span: int, patch: int, generator: Optional[torch.Generator]
+) -> torch.Tensor:
+    """``batch`` windows of ``span`` patches from random series at random offsets."""
+    which = torch.randint(0, data.shape[0], (batch,), generator=generator)
+    offset = torch.randint(0, data.shape[1] - span * patch + 1, (batch,), generator=generator)
+    index = offset[:, None] + torch.arange(span * patch)
+    windows = data[which.to(data.device)[:, None], index.to(data.device)]
+    return windows.view(batch, span, patch)
+
+
+def _train(
+    model: nn.Module,
+    loss_of: Any,
+    series: torch.Tensor,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    generator: Optional[torch.Generator],
+    progress: bool,
+) -> list[float]:
+    """The optimisation loop both trainers share: Adam with cosine decay on random windows."""
+    patch, span = _check_training_args(model, series, steps, batch_size)
+    parameter = next(model.parameters())
+    data = series.to(device=parameter.device, dtype=parameter.dtype)
+    optimiser = torch.optim.Adam(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimiser, int(steps))
+    losses: list[float] = []
+    bar = _Progress(int(steps), unit="step", units="steps") if progress else None
+    model.train()
+    try:
+        for _ in range(int(steps)):
+            loss = loss_of(_random_windows(data, int(batch_size), span, patch, generator))
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            schedule.step()
+            losses.append(float(loss.detach()))
+            if bar is not None:
+                bar.update(1)
+    finally:
+        model.eval()
+        if bar is not None:
+            bar.close()
+    return losses
+
+
+def fit_forecaster(
+    model: nn.Module,
+    series: torch.Tensor,
+    *,
+    steps: int = 500,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    generator: Optional[torch.Generator] = None,
+    progress: bool = False,
+) -> list[float]:
+    """Trains a forecaster by the Gaussian likelihood of each next patch, on random windows.
+
+    Each step draws ``batch_size`` windows of ``max_patches + 1`` patches (fewer when the series
+    are shorter) from random series at random offsets and minimises the mean negative
+    log-likelihood of patches ``1..L`` under the model's outputs at ``0..L-1`` (Adam, cosine
+    decay of the learning rate). The model is left in eval mode.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A forecaster with ``patch_len`` and ``max_patches`` attributes (e.g.
+        :class:`PatchForecaster`).
+    series : torch.Tensor
+        Float ``[N, T]``, ``T >= 2 * patch_len``.
+    steps, batch_size : int
+        Optimiser steps and windows per step (``>= 1``).
+    lr : float
+        Peak learning rate.
+    generator : torch.Generator, optional
+        A CPU generator for the windows drawn.
+    progress : bool
+        Show a progress bar of steps.
+
+    Returns
+    -------
+    list of float
+        The training loss (mean NLL per value, constant terms included) at each step.
+    """
+
+    def nll(windows: torch.Tensor) -> torch.Tensor:
+        mean, std = model(windows[:, :-1])
+        return F.gaussian_nll_loss(mean, windows[:, 1:], std * std, full=True)
+
+    return _train(model, nll, series, steps, batch_size, lr, generator, progress)
+
+
+def gaussian_kl(
+    p_mean: torch.Tensor, p_std: torch.Tensor, q_mean: torch.Tensor, q_std: torch.Tensor
+) -> torch.Tensor:
+    """KL(p || q) of diagonal Gaussians, per value.
+
+    Parameters
+    ----------
+    p_mean, p_std, q_mean, q_std : torch.Tensor
+        Float, broadcastable to one shape ``[...]``; the standard deviations ``> 0``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[...]``: ``log(q_std / p_std) + (p_std^2 + (p_mean - q_mean)^2) / (2 q_std^2) - 1/2``.
+    """
+    ratio = p_std / q_std
+    return -torch.log(ratio) + 0.5 * (ratio * ratio + ((p_mean - q_mean) / q_std) ** 2) - 0.5
+
+
+def distill_forecaster(
+    draft: nn.Module,
+    target: Any,
+    series: torch.Tensor,
+    *,
+    steps: int = 500,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    generator: Optional[torch.Generator] = None,
+    progress: bool = False,
+) -> list[float]:
+    """Trains a draft forecaster to match the target's Gaussians (distillation).
+
+    The acceptance of a drafted patch is ``1 - TV(p, q)`` on average, so a draft trained on the
+    target's predictions rather than on the data accepts more. Each step draws windows as
+    :func:`fit_forecaster` does, runs the target on them without gradients and minimises the
+    mean ``KL(p || q)`` per value (:func:`gaussian_kl`) between the target's Gaussians ``p`` and
+    the draft's ``q`` at every position. The draft is left in eval mode.
+
+    Parameters
+    ----------
+    draft : nn.Module
+        The forecaster to train, with ``patch_len`` and ``max_patches`` attributes.
+    target : forecaster
+        The teacher (in eval mode); it must take the draft's windows.
+    series : torch.Tensor
+        Float ``[N, T]``, ``T >= 2 * patch_len``.
+    steps, batch_size, lr, generator, progress
+        As in :func:`fit_forecaster`.
+
+    Returns
+    -------
+    list of float
+        The mean KL per value at each step.
+    """
+
+    def kl(windows: torch.Tensor) -> torch.Tensor:
+        # The last patch of a window is a label for fit_forecaster; here only inputs are needed.
+        inputs = windows[:, :-1]
+        with torch.no_grad():
+            p_mean, p_std = target(inputs)
+        q_mean, q_std = draft(inputs)
+        return gaussian_kl(p_mean, p_std, q_mean, q_std).mean()
+
+    return _train(draft, kl, series, steps, batch_size, lr, generator, progress)

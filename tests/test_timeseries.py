@@ -1,0 +1,519 @@
+"""Tests of specdecode.timeseries: Gaussian verification, the forecast loop, the reference model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+
+from specdecode import timeseries as ts
+
+# Significance level of each distribution test: the tests are deterministic (fixed generators),
+# so this is the chance that a correct implementation would have been unlucky with the seed.
+ALPHA = 1e-3
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+class ARForecaster(torch.nn.Module):
+    """Every value follows its own AR(1) across patches: ``x[t+1, j] = phi x[t, j] + sigma eps``.
+
+    The forecast law is known in closed form, and a window's length does not change it.
+    """
+
+    def __init__(self, phi: float, sigma: float, max_patches: int | None = None) -> None:
+        super().__init__()
+        self.phi, self.sigma = phi, sigma
+        if max_patches is not None:
+            self.max_patches = max_patches
+        self.window_lengths: list[int] = []
+
+    def forward(self, patches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.window_lengths.append(patches.shape[1])
+        return self.phi * patches, torch.full_like(patches, self.sigma)
+
+
+def _normal_cdf(mean: float, std: float):
+    return lambda x: sps.norm.cdf(x, loc=mean, scale=std)
+
+
+def _residual_cdf(p: tuple[float, float], q: tuple[float, float]):
+    """CDF of max(0, p - q) normalised, for 1-D Gaussians p, q given as (mean, std)."""
+    grid = np.linspace(-15.0, 15.0, 300001)
+    density = np.maximum(sps.norm.pdf(grid, *p) - sps.norm.pdf(grid, *q), 0.0)
+    cdf = np.concatenate([[0.0], np.cumsum((density[1:] + density[:-1]) / 2 * np.diff(grid))])
+    return lambda x: np.interp(x, grid, cdf / cdf[-1]), cdf[-1]
+
+
+def _chain_inputs(batch, k, patch, p, q, generator, draft_from=None):
+    """Drafts drawn from q = (mean, std) and the target Gaussians p = (mean, std) for K + 1."""
+    q_mean = torch.full((batch, k, patch), q[0], dtype=torch.float64)
+    q_std = torch.full((batch, k, patch), q[1], dtype=torch.float64)
+    t_mean = torch.full((batch, k + 1, patch), p[0], dtype=torch.float64)
+    t_std = torch.full((batch, k + 1, patch), p[1], dtype=torch.float64)
+    draft = q_mean + q_std * torch.randn(q_mean.shape, generator=generator, dtype=torch.float64)
+    return draft, q_mean, q_std, t_mean, t_std
+
+
+# ---- verify_gaussian ---------------------------------------------------------------------------
+
+
+def test_first_emitted_patch_has_the_target_law_and_the_acceptance_rate_is_one_minus_tv():
+    g = _gen(1)
+    p, q, batch = (0.0, 1.0), (1.0, 1.5), 40000
+    draft, q_mean, q_std, t_mean, t_std = _chain_inputs(batch, 1, 1, p, q, g)
+    out = ts.verify_gaussian(draft, q_mean, q_std, t_mean, t_std, generator=g)
+    first = torch.where(out.num_accepted[:, None] >= 1, draft[:, 0], out.next_patch)[:, 0]
+    assert sps.kstest(first.numpy(), _normal_cdf(*p)).pvalue > ALPHA
+    _, tv = _residual_cdf(p, q)
+    rate = float((out.num_accepted == 1).double().mean())
+    assert abs(rate - (1.0 - tv)) < 4.0 * math.sqrt(tv * (1.0 - tv) / batch)
+    assert out.residual_fallbacks == 0
+
+
+def test_correction_patches_follow_the_residual():
+    g = _gen(2)
+    p, q = (0.5, 0.8), (-0.5, 1.2)
+    draft, q_mean, q_std, t_mean, t_std = _chain_inputs(30000, 1, 1, p, q, g)
+    out = ts.verify_gaussian(draft, q_mean, q_std, t_mean, t_std, generator=g)
+    corrections = out.next_patch[out.num_accepted == 0, 0].numpy()
+    assert corrections.size > 5000
+    cdf, _ = _residual_cdf(p, q)
+    assert sps.kstest(corrections, cdf).pvalue > ALPHA
+    # The target's own law is not the residual's: the test tells them apart.
+    assert sps.kstest(corrections, _normal_cdf(*p)).pvalue < 1e-6
+
+
+def test_every_value_of_a_multivariate_patch_keeps_its_law():
+    g = _gen(3)
+    batch, k = 30000, 3
+    means = torch.tensor([-1.0, 0.0, 2.0], dtype=torch.float64)
+    stds = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    t_mean = means.expand(batch, k + 1, 3).clone()
+    t_std = stds.expand(batch, k + 1, 3).clone()
+    q_mean, q_std = t_mean[:, :k] + 0.4, t_std[:, :k] * 1.3
+    draft = q_mean + q_std * torch.randn(q_mean.shape, generator=g, dtype=torch.float64)
+    out = ts.verify_gaussian(draft, q_mean, q_std, t_mean, t_std, generator=g)
+    assert 0 < int((out.num_accepted == k).sum()) < batch
+    first = torch.where(out.num_accepted[:, None] >= 1, draft[:, 0], out.next_patch)
+    for j in range(3):
+        cdf = _normal_cdf(float(means[j]), float(stds[j]))
+        assert sps.kstest(first[:, j].numpy(), cdf).pvalue > ALPHA
+
+
+def test_lenience_accepts_more_and_leaves_the_target_law():
+    g = _gen(4)
+    p, q = (0.0, 1.0), (1.0, 1.5)
+    inputs = _chain_inputs(40000, 1, 1, p, q, g)
+    exact = ts.verify_gaussian(*inputs, generator=_gen(5))
+    lenient = ts.verify_gaussian(*inputs, lenience=0.5, generator=_gen(5))
+    assert int(lenient.num_accepted.sum()) > int(exact.num_accepted.sum()) * 1.1
+    draft = inputs[0]
+    first = torch.where(lenient.num_accepted[:, None] >= 1, draft[:, 0], lenient.next_patch)
+    assert sps.kstest(first[:, 0].numpy(), _normal_cdf(*p)).pvalue < 1e-6
+
+
+def test_equal_draft_and_target_accept_every_draft_and_draw_the_bonus_from_the_last_gaussian():
+    g = _gen(6)
+    batch, k = 20000, 2
+    q_mean = torch.zeros((batch, k, 1), dtype=torch.float64)
+    q_std = torch.ones_like(q_mean)
+    t_mean = torch.cat([q_mean, torch.full((batch, 1, 1), 3.0, dtype=torch.float64)], 1)
+    t_std = torch.cat([q_std, torch.full((batch, 1, 1), 0.5, dtype=torch.float64)], 1)
+    draft = torch.randn(q_mean.shape, generator=g, dtype=torch.float64)
+    out = ts.verify_gaussian(draft, q_mean, q_std, t_mean, t_std, generator=g)
+    assert bool((out.num_accepted == k).all())
+    assert sps.kstest(out.next_patch[:, 0].numpy(), _normal_cdf(3.0, 0.5)).pvalue > ALPHA
+
+
+def test_no_drafts_draw_from_the_target():
+    g = _gen(7)
+    empty = torch.zeros((5000, 0, 2))
+    t_mean, t_std = torch.full((5000, 1, 2), -2.0), torch.full((5000, 1, 2), 0.25)
+    out = ts.verify_gaussian(empty, empty, empty, t_mean, t_std, generator=g)
+    assert out.num_accepted.tolist() == [0] * 5000
+    assert out.next_patch.dtype == torch.float32 and out.next_patch.shape == (5000, 2)
+    assert sps.kstest(out.next_patch[:, 1].numpy(), _normal_cdf(-2.0, 0.25)).pvalue > ALPHA
+
+
+def test_residual_fallbacks_are_counted_only_when_the_draw_budget_runs_out():
+    p, q = (0.0, 1.0), (0.3, 1.0)
+    inputs = _chain_inputs(20000, 1, 1, p, q, _gen(8))
+    tight = ts.verify_gaussian(*inputs, generator=_gen(9), max_residual_draws=1)
+    rejected = int((tight.num_accepted == 0).sum())
+    assert 0 < tight.residual_fallbacks <= rejected
+    assert ts.verify_gaussian(*inputs, generator=_gen(9)).residual_fallbacks == 0
+
+
+def test_verify_gaussian_is_reproducible_with_a_generator():
+    inputs = _chain_inputs(100, 4, 3, (0.0, 1.0), (0.5, 1.0), _gen(10))
+    a = ts.verify_gaussian(*inputs, generator=_gen(11))
+    b = ts.verify_gaussian(*inputs, generator=_gen(11))
+    assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.next_patch, b.next_patch)
+
+
+def _bad_verify_inputs():
+    good = _chain_inputs(2, 3, 4, (0.0, 1.0), (0.0, 1.0), _gen(0))
+    draft, q_mean, q_std, t_mean, t_std = good
+
+    def swap(i, value):
+        args = list(good)
+        args[i] = value
+        return args
+
+    zero_std = q_std.clone()
+    zero_std[1, 2, 3] = 0.0
+    nan_mean = t_mean.clone()
+    nan_mean[0, 0, 0] = math.nan
+    return [
+        (swap(0, draft[:, :2]), {}, ValueError, "draft"),
+        (swap(3, t_mean[:, :3]), {}, ValueError, r"target_mean.*\[B, K \+ 1, P\]"),
+        (swap(4, t_std[..., :2]), {}, ValueError, "target_std"),
+        (swap(2, zero_std), {}, ValueError, "draft_std.*> 0"),
+        (swap(3, nan_mean), {}, ValueError, "target_mean.*finite"),
+        (swap(0, draft.to(torch.int64)), {}, TypeError, "draft.*floating"),
+        (swap(1, q_mean[0]), {}, ValueError, r"draft_mean.*\[B, K, P\]"),
+        (swap(4, t_std.numpy()), {}, TypeError, "target_std.*torch.Tensor"),
+        (good, {"lenience": 0.0}, ValueError, "lenience"),
+        (good, {"lenience": 1.5}, ValueError, "lenience"),
+        (good, {"max_residual_draws": 0}, ValueError, "max_residual_draws"),
+    ]
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", _bad_verify_inputs())
+def test_verify_gaussian_rejects_bad_input(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ts.verify_gaussian(*args, **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_verify_gaussian_rejects_mixed_devices():
+    draft, q_mean, q_std, t_mean, t_std = _chain_inputs(2, 1, 1, (0.0, 1.0), (0.0, 1.0), _gen(0))
+    with pytest.raises(ValueError, match="target_mean: on cuda"):
+        ts.verify_gaussian(draft, q_mean, q_std, t_mean.cuda(), t_std)
+
+
+# ---- verify_gaussian_mean ----------------------------------------------------------------------
+
+
+def test_mean_verification_keeps_drafts_within_the_tolerance_up_to_the_first_miss():
+    target_mean = torch.arange(4.0).repeat(3, 1)[..., None].repeat(1, 1, 2)  # [3, 4, 2]
+    target_std = torch.full_like(target_mean, 2.0)
+    # Gaps in target standard deviations, per row and draft (both values of a patch alike,
+    # except row 2's second draft, whose second value alone misses).
+    z = torch.tensor([[0.1, 0.2, 0.25], [0.1, 0.4, 0.0], [0.0, 0.2, 0.2]])[..., None].repeat(
+        1, 1, 2
+    )
+    z[2, 1, 1] = 0.3
+    draft_mean = target_mean[:, :3] + z * 2.0
+    out = ts.verify_gaussian_mean(draft_mean, target_mean, target_std, tolerance=0.25)
+    assert out.num_accepted.tolist() == [3, 1, 1]
+    assert torch.equal(out.next_patch, target_mean[[0, 1, 2], [3, 1, 1]])
+    exact = ts.verify_gaussian_mean(draft_mean, target_mean, target_std)
+    assert exact.num_accepted.tolist() == [0, 0, 1]
+    with pytest.raises(ValueError, match="tolerance"):
+        ts.verify_gaussian_mean(draft_mean, target_mean, target_std, tolerance=-0.1)
+
+
+# ---- forecast ----------------------------------------------------------------------------------
+
+
+def _ar_context(batch: int, patch: int = 2, length: int = 3) -> torch.Tensor:
+    context = torch.zeros((batch, length, patch), dtype=torch.float64)
+    context[:, -1] = torch.linspace(-1.0, 1.5, patch, dtype=torch.float64)
+    return context
+
+
+def _assert_ar_law(context, paths, phi, sigma):
+    """The forecast paths are the AR(1) chain: every innovation N(0, 1), uncorrelated with the
+    value it follows."""
+    previous = torch.cat([context[:, -1:], paths[:, :-1]], 1)
+    innovations = (paths - phi * previous) / sigma
+    n = innovations.shape[0]
+    for h in range(paths.shape[1]):
+        for j in range(paths.shape[2]):
+            e = innovations[:, h, j].numpy()
+            assert sps.kstest(e, "norm").pvalue > ALPHA, (h, j)
+            if h:
+                corr = np.corrcoef(e, previous[:, h, j].numpy())[0, 1]
+                assert abs(corr) < 4.0 / math.sqrt(n), (h, j, corr)
+
+
+def test_speculative_forecast_has_the_target_law():
+    target, draft = ARForecaster(0.9, 0.5), ARForecaster(0.5, 0.9)
+    context = _ar_context(6000)
+    out = ts.forecast(target, context, 8, draft=draft, num_draft=3, generator=_gen(12))
+    assert out.forecast.shape == (6000, 8, 2) and out.forecast.dtype == torch.float64
+    _assert_ar_law(context, out.forecast, 0.9, 0.5)
+    stats = out.stats
+    assert stats.patches == 6000 * 8 and stats.residual_fallbacks == 0
+    assert 0.2 < stats.acceptance_rate < 0.95
+    assert 1.2 < stats.patches_per_step <= 4.0
+    assert stats.row_steps < 6000 * 8 and stats.draft_calls <= 3 * stats.steps
+
+
+def test_lenient_forecast_leaves_the_target_law():
+    target, draft = ARForecaster(0.9, 0.5), ARForecaster(0.5, 0.9)
+    context = _ar_context(6000)
+    exact = ts.forecast(target, context, 8, draft=draft, num_draft=3, generator=_gen(13))
+    lenient = ts.forecast(
+        target, context, 8, draft=draft, num_draft=3, lenience=0.3, generator=_gen(13)
+    )
+    assert lenient.stats.acceptance_rate > exact.stats.acceptance_rate + 0.1
+    with pytest.raises(AssertionError):
+        _assert_ar_law(context, lenient.forecast, 0.9, 0.5)
+
+
+def test_target_alone_forecasts_one_patch_per_call_with_the_target_law():
+    target = ARForecaster(0.9, 0.5)
+    context = _ar_context(6000)
+    out = ts.forecast(target, context, 6, generator=_gen(14))
+    _assert_ar_law(context, out.forecast, 0.9, 0.5)
+    assert out.stats.steps == 6 and out.stats.draft_calls == 0
+    assert out.stats.patches_per_step == 1.0 and out.stats.acceptance_rate == 0.0
+
+
+def test_forecast_is_reproducible_with_a_generator():
+    target, draft = ARForecaster(0.9, 0.5), ARForecaster(0.7, 0.6)
+    context = _ar_context(50)
+    a = ts.forecast(target, context, 9, draft=draft, generator=_gen(15)).forecast
+    b = ts.forecast(target, context, 9, draft=draft, generator=_gen(15)).forecast
+    assert torch.equal(a, b)
+
+
+def _tiny_forecaster(seed: int, patch: int = 3, max_patches: int = 32) -> ts.PatchForecaster:
+    torch.manual_seed(seed)
+    model = ts.PatchForecaster(patch, dim=16, num_layers=2, num_heads=2, max_patches=max_patches)
+    return model.eval()
+
+
+def _mean_rollout(model, context: torch.Tensor, horizon: int) -> torch.Tensor:
+    """The target's own point forecast: one call per patch on the whole history."""
+    history = context
+    with torch.no_grad():
+        for _ in range(horizon):
+            mean, _ = model(history)
+            history = torch.cat([history, mean[:, -1:]], 1)
+    return history[:, context.shape[1] :]
+
+
+def test_mean_forecast_with_tolerance_zero_is_the_target_rollout():
+    target, draft = _tiny_forecaster(0), _tiny_forecaster(1)
+    context = torch.randn((5, 4, 3), generator=_gen(16))
+    expected = _mean_rollout(target, context, 11)
+    out = ts.forecast(target, context, 11, draft=draft, num_draft=3, method="mean")
+    torch.testing.assert_close(out.forecast, expected, rtol=1e-5, atol=1e-5)
+    assert out.stats.acceptance_rate == 0.0 and out.stats.steps == 11
+
+
+def test_self_drafted_mean_forecast_accepts_every_draft_in_the_target_positions():
+    target = _tiny_forecaster(0)
+    context = torch.randn((4, 5, 3), generator=_gen(17))
+    expected = _mean_rollout(target, context, 10)
+    # A draft with the target's weights; tolerance 1e-3 absorbs the last bits that a longer
+    # window's matmuls may change.
+    out = ts.forecast(target, context, 10, draft=target, num_draft=3, method="mean", tolerance=1e-3)
+    torch.testing.assert_close(out.forecast, expected, rtol=1e-5, atol=1e-5)
+    assert out.stats.acceptance_rate == 1.0
+    assert out.stats.steps == 3  # 4 + 4 + 2 patches
+    assert out.stats.offered_by_position == [12, 8, 8]
+
+
+def test_mean_forecast_keeps_every_patch_within_the_tolerance_of_the_target_mean():
+    target, draft = ARForecaster(0.9, 0.5), ARForecaster(0.85, 0.5)
+    context = torch.randn((64, 2, 2), generator=_gen(18), dtype=torch.float64) * 3.0
+    out = ts.forecast(target, context, 12, draft=draft, num_draft=4, method="mean", tolerance=0.2)
+    assert out.stats.acceptance_rate > 0.1
+    history = torch.cat([context, out.forecast], 1)
+    mean, std = target(history)
+    gap = (history[:, 2:] - mean[:, 1:-1]).abs()
+    assert bool((gap <= 0.2 * std[:, 1:-1] + 1e-12).all())
+    exact = ts.forecast(target, context, 12, draft=draft, method="mean")
+    assert not torch.equal(exact.forecast, out.forecast)
+
+
+def test_self_drafted_sample_forecast_accepts_every_draft():
+    target = ARForecaster(0.8, 0.3)
+    out = ts.forecast(target, _ar_context(20), 7, draft=target, num_draft=4, generator=_gen(19))
+    assert out.stats.acceptance_rate == 1.0 and out.stats.steps == 2
+    assert out.stats.patches == 20 * 7
+
+
+def test_forecast_windows_stay_within_max_context():
+    target, draft = ARForecaster(0.9, 0.5, max_patches=8), ARForecaster(0.8, 0.5, max_patches=10)
+    context = torch.randn((6, 6, 2), generator=_gen(20), dtype=torch.float64)
+    out = ts.forecast(target, context, 20, draft=draft, num_draft=3, method="mean", tolerance=0.5)
+    assert max(target.window_lengths + draft.window_lengths) == 8
+    # An AR(1) forecaster reads only the last patch, so windowing cannot change its forecast.
+    unbounded = ts.forecast(
+        ARForecaster(0.9, 0.5),
+        context,
+        20,
+        draft=ARForecaster(0.8, 0.5),
+        method="mean",
+        num_draft=3,
+        tolerance=0.5,
+    )
+    torch.testing.assert_close(out.forecast, unbounded.forecast, rtol=0, atol=0)
+    target.window_lengths.clear()
+    ts.forecast(target, context, 5, max_context=4, generator=_gen(0))
+    assert max(target.window_lengths) == 4
+    with pytest.raises(ValueError, match="max_context.*target forecaster takes at most 8"):
+        ts.forecast(target, context, 5, max_context=9)
+
+
+def test_a_transformer_forecast_with_a_window_keeps_the_rollout_while_histories_fit():
+    target, draft = _tiny_forecaster(2, max_patches=12), _tiny_forecaster(3, max_patches=12)
+    context = torch.randn((3, 4, 3), generator=_gen(21))
+    # 4 + 8 patches fit the window, so every call sees the whole history.
+    out = ts.forecast(target, context, 8, draft=draft, num_draft=2, method="mean")
+    torch.testing.assert_close(
+        out.forecast, _mean_rollout(target, context, 8), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_forecast_stops_every_series_at_the_horizon():
+    target = ARForecaster(0.8, 0.3)
+    out = ts.forecast(target, _ar_context(3), 5, draft=target, num_draft=4, method="mean")
+    assert out.forecast.shape == (3, 5, 2)
+    assert out.stats.steps == 1 and out.stats.patches == 15
+    expected = _ar_context(3)[:, -1:] * 0.8 ** torch.arange(1, 6, dtype=torch.float64)[:, None]
+    torch.testing.assert_close(out.forecast, expected)
+
+
+def test_forecast_counts_residual_fallbacks():
+    target, draft = ARForecaster(0.9, 0.5), ARForecaster(0.85, 0.5)
+    out = ts.forecast(
+        target, _ar_context(2000), 4, draft=draft, generator=_gen(22), max_residual_draws=1
+    )
+    assert out.stats.residual_fallbacks > 0
+
+
+class _WrongShape(torch.nn.Module):
+    def forward(self, patches):
+        return patches[:, :-1], patches[:, :-1].abs() + 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"context": torch.zeros((2, 3))}, ValueError, r"context.*\[B, L, P\]"),
+        ({"context": torch.zeros((2, 0, 2))}, ValueError, "context"),
+        ({"context": torch.zeros((2, 3, 2), dtype=torch.int32)}, TypeError, "context"),
+        ({"horizon": 0}, ValueError, "horizon"),
+        ({"method": "greedy"}, ValueError, "method"),
+        ({"tolerance": 0.5}, ValueError, "tolerance applies to method='mean'"),
+        ({"method": "mean", "lenience": 0.5}, ValueError, "lenience applies"),
+        ({"draft": ARForecaster(0.5, 1.0), "num_draft": 0}, ValueError, "num_draft"),
+        ({"max_context": 0}, ValueError, "max_context"),
+        ({"target": _WrongShape()}, ValueError, "target forecaster _WrongShape: mean"),
+        ({"draft": _WrongShape()}, ValueError, "draft forecaster _WrongShape: mean"),
+        ({"target": lambda x: x}, ValueError, r"expected \(mean, std\)"),
+    ],
+)
+def test_forecast_rejects_bad_input(kwargs, error, match):
+    args = {"target": ARForecaster(0.9, 1.0), "context": torch.zeros((2, 3, 2)), "horizon": 4}
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        ts.forecast(args.pop("target"), args.pop("context"), args.pop("horizon"), **args)
+
+
+def test_forecast_progress_bar_counts_patches(capsys):
+    ts.forecast(ARForecaster(0.9, 0.5), _ar_context(2), 3, progress=True, generator=_gen(0))
+    assert "patch" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_forecast_runs_on_cuda():
+    target, draft = _tiny_forecaster(0).cuda(), _tiny_forecaster(1).cuda()
+    context = torch.randn((4, 5, 3), generator=_gen(23)).cuda()
+    out = ts.forecast(target, context, 6, draft=draft, generator=torch.Generator("cuda"))
+    assert out.forecast.device.type == "cuda" and bool(torch.isfinite(out.forecast).all())
+    mean = ts.forecast(target, context, 6, draft=draft, method="mean").forecast
+    torch.testing.assert_close(mean, _mean_rollout(target, context, 6), rtol=1e-4, atol=1e-4)
+
+
+# ---- PatchForecaster, fit_forecaster, synthetic_series -----------------------------------------
+
+
+def test_patch_forecaster_is_causal_and_shaped():
+    model = _tiny_forecaster(4, patch=4, max_patches=10)
+    x = torch.randn((2, 7, 4), generator=_gen(24))
+    mean, std = model(x)
+    assert mean.shape == std.shape == (2, 7, 4) and bool((std >= model.min_std).all())
+    changed = x.clone()
+    changed[:, 4:] += 5.0
+    mean2, std2 = model(changed)
+    torch.testing.assert_close(mean2[:, :4], mean[:, :4])
+    torch.testing.assert_close(std2[:, :4], std[:, :4])
+    assert not torch.allclose(mean2[:, 4:], mean[:, 4:])
+    with pytest.raises(ValueError, match="L = 11"):
+        model(torch.zeros((1, 11, 4)))
+    with pytest.raises(ValueError, match=r"\[B, L, 4\]"):
+        model(torch.zeros((1, 3, 5)))
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        ts.PatchForecaster(4, dim=10, num_heads=4)
+
+
+def test_fit_forecaster_learns_synthetic_series():
+    series = ts.synthetic_series(64, 256, generator=_gen(25))
+    model = _tiny_forecaster(5, patch=4, max_patches=16).train()
+    losses = ts.fit_forecaster(model, series, steps=80, batch_size=16, lr=1e-2, generator=_gen(26))
+    assert len(losses) == 80 and not model.training
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.2
+    with pytest.raises(ValueError, match="T >= 2 \\* patch_len"):
+        ts.fit_forecaster(model, series[:, :7], steps=1)
+    with pytest.raises(ValueError, match="patch_len and max_patches"):
+        ts.fit_forecaster(torch.nn.Linear(2, 2), series, steps=1)
+
+
+def test_synthetic_series_are_reproducible_and_vary():
+    a = ts.synthetic_series(8, 100, generator=_gen(27))
+    b = ts.synthetic_series(8, 100, generator=_gen(27))
+    c = ts.synthetic_series(8, 100, generator=_gen(28))
+    assert a.shape == (8, 100) and a.dtype == torch.float32 and torch.equal(a, b)
+    assert not torch.equal(a, c) and bool(torch.isfinite(a).all())
+    assert float(a.std(1).min()) > 0.1
+    with pytest.raises(ValueError, match="num_series"):
+        ts.synthetic_series(0, 10)
+
+
+def test_public_names_are_exported_and_documented():
+    import specdecode
+
+    assert "timeseries" in specdecode.__all__ and specdecode.timeseries is ts
+    for name in ts.__all__:
+        doc = getattr(ts, name).__doc__ or ""
+        assert any(part in doc for part in ("Parameters", "Attributes", "Returns")), name
+
+
+def test_gaussian_kl_is_the_kl_divergence():
+    g = _gen(29)
+    p_mean, q_mean = torch.randn(50, generator=g), torch.randn(50, generator=g)
+    p_std, q_std = torch.rand(50, generator=g) + 0.1, torch.rand(50, generator=g) + 0.1
+    expected = torch.distributions.kl_divergence(
+        torch.distributions.Normal(p_mean, p_std), torch.distributions.Normal(q_mean, q_std)
+    )
+    torch.testing.assert_close(ts.gaussian_kl(p_mean, p_std, q_mean, q_std), expected)
+
+
+def test_distilled_draft_matches_the_target_and_is_accepted_more():
+    series = ts.synthetic_series(32, 128, generator=_gen(30))
+    target = ARForecaster(0.9, 0.3)
+    draft = _tiny_forecaster(6, patch=4, max_patches=8)
+    context = series[:, :32].reshape(-1, 8, 4)[:, :6].contiguous()
+    before = ts.forecast(target, context, 6, draft=draft, num_draft=2, generator=_gen(31))
+    losses = ts.distill_forecaster(
+        draft, target, series, steps=60, batch_size=16, lr=1e-2, generator=_gen(32)
+    )
+    assert len(losses) == 60 and not draft.training
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
+    after = ts.forecast(target, context, 6, draft=draft, num_draft=2, generator=_gen(31))
+    assert after.stats.acceptance_rate > before.stats.acceptance_rate + 0.2
+    with pytest.raises(ValueError, match="steps and batch_size"):
+        ts.distill_forecaster(draft, target, series, steps=0)
