@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 
 import torch
+from scipy import stats as sps
 
 from specdecode import timeseries as ts
 
 PATCH = 8
 CONTEXT = 48
 HORIZON = 16
+SERIES = 16  # held-out series timed at every batch size
 
 
 def train(args: argparse.Namespace) -> tuple[ts.PatchForecaster, ts.PatchForecaster, float]:
@@ -78,14 +80,18 @@ def accuracy(target, draft, cases, num_draft) -> list[str]:
         f"Forecast error over 256 held-out series (mean absolute error per value; the series' "
         f"values have a standard deviation of {float(truth.std()):.2f}):",
         "",
-        "| method | target alone | "
+        "| method | target alone | target alone, other draws | "
         + " | ".join(f"speculative, k = {k}" for k in num_draft)
         + " |",
-        "|---|---|" + "---|" * len(num_draft),
+        "|---|---|---|" + "---|" * len(num_draft),
     ]
     for method, options in cases:
-        alone = ts.forecast(target, context, HORIZON, method=method, generator=seeded(7))
-        row = [f"{float((alone.forecast - truth).abs().mean()):.3f}"]
+        # The target alone twice, with other random draws: the spread a sample path's error has
+        # without any change of law.
+        row = []
+        for seed in (7, 8):
+            alone = ts.forecast(target, context, HORIZON, method=method, generator=seeded(seed))
+            row.append(f"{float((alone.forecast - truth).abs().mean()):.3f}")
         for k in num_draft:
             spec = ts.forecast(
                 target,
@@ -100,6 +106,43 @@ def accuracy(target, draft, cases, num_draft) -> list[str]:
             row.append(f"{float((spec.forecast - truth).abs().mean()):.3f}")
         lines.append(f"| {label(method, options)} | " + " | ".join(row) + " |")
         print(lines[-1], flush=True)
+    return lines + law_check(target, draft, context, num_draft)
+
+
+def law_check(target, draft, context, num_draft) -> list[str]:
+    """The sample paths standardised by the target's Gaussian given the path before each value:
+    i.i.d. N(0, 1) exactly when the paths follow the target's law (a KS test over all values)."""
+
+    def z_scores(paths: torch.Tensor) -> torch.Tensor:
+        history = torch.cat([context, paths], 1)
+        with torch.no_grad():
+            mean, std = target(history)
+        known = context.shape[1]
+        return ((history[:, known:] - mean[:, known - 1 : -1]) / std[:, known - 1 : -1]).flatten()
+
+    lines = [
+        "",
+        "Law check on the same 256 series (each value of a sample path standardised by the "
+        "target's Gaussian given the path before it; N(0, 1) under the target's law):",
+        "",
+        "| sampling | z std | KS p-value |",
+        "|---|---|---|",
+    ]
+    runs = [("target alone", {})]
+    for k in num_draft:
+        runs += [(f"speculative, k = {k}", {"draft": draft, "num_draft": k})]
+        runs += [
+            (
+                f"speculative, k = {k}, lenience 0.5",
+                {"draft": draft, "num_draft": k, "lenience": 0.5},
+            )
+        ]
+    for name, options in runs:
+        out = ts.forecast(target, context, HORIZON, generator=seeded(11), **options)
+        z = z_scores(out.forecast)
+        pvalue = sps.kstest(z.numpy(), "norm").pvalue
+        lines.append(f"| {name} | {float(z.std()):.4f} | {pvalue:.3g} |")
+        print(lines[-1], flush=True)
     return lines
 
 
@@ -107,7 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-steps", type=int, default=800)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--num-draft", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--out", help="also write the table to this file")
@@ -123,8 +166,8 @@ def main() -> None:
         f"{target_params / 1e3:.0f}k parameters, draft {draft_params / 1e3:.0f}k, "
         f"trained {args.train_steps} steps (draft: {args.train_steps // 2} on the data, "
         f"{2 * args.train_steps} distilled) "
-        f"({train_s:.0f} s); context {CONTEXT} patches of {PATCH}, horizon {HORIZON}; best of "
-        f"{args.repeats}",
+        f"({train_s:.0f} s); context {CONTEXT} patches of {PATCH}, horizon {HORIZON}; the times "
+        f"forecast {SERIES} held-out series, B at a time; best of {args.repeats}",
         "",
         "| B | method | k | target alone | speculative | speedup | acceptance | patches/call |",
         "|---|---|---|---|---|---|---|---|",
@@ -135,33 +178,48 @@ def main() -> None:
         ("mean", {}),
         ("mean", {"tolerance": 0.5}),
     ]
+    # Fixed draft lengths, and the adaptive choice of up to the longest of them.
+    settings = [(str(k), {"num_draft": k}) for k in args.num_draft]
+    settings += [
+        (f"auto <= {max(args.num_draft)}", {"num_draft": max(args.num_draft), "adaptive": True})
+    ]
+    contexts, _ = heldout(SERIES)
     for batch in args.batches:
-        context, truth = heldout(batch)
+        # The same SERIES series at every batch size, in SERIES // batch calls: acceptance
+        # differs much from series to series, so one series alone would say little.
+        groups = contexts.split(batch)
         for method, options in cases:
-            for k in args.num_draft:
+            for k, drafting in settings:
                 # Alternate the two so that drift on the machine hits both alike.
                 base_times, spec_times = [], []
                 for _ in range(args.repeats):
                     started = time.perf_counter()
-                    ts.forecast(target, context, HORIZON, method=method, generator=seeded(5))
+                    for context in groups:
+                        ts.forecast(target, context, HORIZON, method=method, generator=seeded(5))
                     middle = time.perf_counter()
-                    spec = ts.forecast(
-                        target,
-                        context,
-                        HORIZON,
-                        draft=draft,
-                        num_draft=k,
-                        method=method,
-                        generator=seeded(5),
-                        **options,
-                    )
+                    specs = [
+                        ts.forecast(
+                            target,
+                            context,
+                            HORIZON,
+                            draft=draft,
+                            method=method,
+                            generator=seeded(5),
+                            **drafting,
+                            **options,
+                        ).stats
+                        for context in groups
+                    ]
                     base_times.append(middle - started)
                     spec_times.append(time.perf_counter() - middle)
                 base_s, spec_s = min(base_times), min(spec_times)
+                offered = sum(sum(s.offered_by_position) for s in specs)
+                accepted = sum(sum(s.accepted_counts_by_position) for s in specs)
+                per_call = sum(s.patches for s in specs) / sum(s.row_steps for s in specs)
                 lines.append(
                     f"| {batch} | {label(method, options)} | {k} | {base_s * 1e3:.1f} ms "
                     f"| {spec_s * 1e3:.1f} ms | {base_s / spec_s:.2f}x "
-                    f"| {spec.stats.acceptance_rate:.2f} | {spec.stats.patches_per_step:.2f} |"
+                    f"| {accepted / max(offered, 1):.2f} | {per_call:.2f} |"
                 )
                 print(lines[-1], flush=True)
     lines += accuracy(target, draft, cases, args.num_draft)

@@ -363,6 +363,13 @@ def test_forecast_windows_stay_within_max_context():
     target.window_lengths.clear()
     ts.forecast(target, context, 5, max_context=4, generator=_gen(0))
     assert max(target.window_lengths) == 4
+    # A window of 3 holds at most 2 drafts after the patch they follow.
+    target.window_lengths.clear()
+    short = ts.forecast(target, context, 9, draft=draft, num_draft=4, max_context=3)
+    assert max(target.window_lengths) == 3
+    assert short.stats.draft_calls <= 2 * short.stats.steps
+    assert len(short.stats.offered_by_position) == 2
+    assert short.forecast.shape == (6, 9, 2)
     with pytest.raises(ValueError, match="max_context.*target forecaster takes at most 8"):
         ts.forecast(target, context, 5, max_context=9)
 
@@ -452,6 +459,12 @@ def test_patch_forecaster_is_causal_and_shaped():
     torch.testing.assert_close(mean2[:, :4], mean[:, :4])
     torch.testing.assert_close(std2[:, :4], std[:, :4])
     assert not torch.allclose(mean2[:, 4:], mean[:, 4:])
+    # Without gradients torch takes its fused encoder path, which must keep the mask too.
+    with torch.no_grad():
+        fused, _ = model(x)
+        fused2, _ = model(changed)
+    torch.testing.assert_close(fused, mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused2[:, :4], fused[:, :4])
     with pytest.raises(ValueError, match="L = 11"):
         model(torch.zeros((1, 11, 4)))
     with pytest.raises(ValueError, match=r"\[B, L, 4\]"):
@@ -517,3 +530,67 @@ def test_distilled_draft_matches_the_target_and_is_accepted_more():
     assert after.stats.acceptance_rate > before.stats.acceptance_rate + 0.2
     with pytest.raises(ValueError, match="steps and batch_size"):
         ts.distill_forecaster(draft, target, series, steps=0)
+
+
+def _target_z_scores(target, context: torch.Tensor, paths: torch.Tensor) -> np.ndarray:
+    """Each forecast value standardised by the target's Gaussian given the forecast before it:
+    i.i.d. N(0, 1) exactly when the paths follow the target's law."""
+    history = torch.cat([context, paths], 1)
+    with torch.no_grad():
+        mean, std = target(history)
+    known = context.shape[1]
+    z = (history[:, known:] - mean[:, known - 1 : -1]) / std[:, known - 1 : -1]
+    return z.flatten().numpy()
+
+
+def test_speculative_forecast_of_a_transformer_has_the_target_law():
+    # Random Transformers: the law check needs no training, and their Gaussians differ enough
+    # that many drafts are rejected and rows run out of step (ragged windows).
+    target, draft = _tiny_forecaster(7), _tiny_forecaster(8)
+    context = torch.randn((2000, 5, 3), generator=_gen(33))
+    out = ts.forecast(target, context, 6, draft=draft, num_draft=3, generator=_gen(34))
+    assert 0.05 < out.stats.acceptance_rate < 0.95
+    assert sps.kstest(_target_z_scores(target, context, out.forecast), "norm").pvalue > ALPHA
+    lenient = ts.forecast(
+        target, context, 6, draft=draft, num_draft=3, lenience=0.2, generator=_gen(34)
+    )
+    assert sps.kstest(_target_z_scores(target, context, lenient.forecast), "norm").pvalue < 1e-6
+
+
+def test_best_draft_length_maximises_patches_per_second():
+    assert ts._expected_patches(1.0, 3) == 4.0
+    assert ts._expected_patches(0.5, 2) == 1.75
+    # a = 0.5, target 1 s, draft 0.1 s: k = 1, 2, 3 commit 1.36, 1.46, 1.44 patches per second.
+    assert ts._best_draft_length(0.5, 1.0, 0.1, 6) == 2
+    assert ts._best_draft_length(0.99, 1.0, 0.01, 6) == 6
+    assert ts._best_draft_length(0.05, 1.0, 0.01, 6) == 1
+    assert ts._best_draft_length(0.9, 1.0, 2.0, 6) == 1
+
+
+def test_adaptive_draft_length_follows_the_acceptance_and_keeps_the_law():
+    target = ARForecaster(0.9, 0.5)
+    context = _ar_context(6000)
+    good = ts.forecast(target, context, 8, draft=target, num_draft=4, adaptive=True)
+    assert good.stats.draft_lengths == [4, 2]  # 5 patches, then the 3 left
+    poor = ts.forecast(
+        target,
+        context,
+        8,
+        draft=ARForecaster(-0.9, 0.2),
+        num_draft=4,
+        adaptive=True,
+        generator=_gen(35),
+    )
+    assert poor.stats.acceptance_rate < 0.05
+    assert poor.stats.draft_lengths[0] == 4 and max(poor.stats.draft_lengths[1:]) == 1
+    mixed = ts.forecast(
+        target,
+        context,
+        8,
+        draft=ARForecaster(0.5, 0.9),
+        num_draft=4,
+        adaptive=True,
+        generator=_gen(36),
+    )
+    _assert_ar_law(context, mixed.forecast, 0.9, 0.5)
+    assert len(mixed.stats.draft_lengths) == mixed.stats.steps

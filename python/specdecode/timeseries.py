@@ -372,6 +372,8 @@ class ForecastStats:
         at depth ``d`` was accepted.
     residual_fallbacks : int
         Corrections drawn from the target's Gaussian after ``max_residual_draws`` candidates.
+    draft_lengths : list of int
+        Patches drafted at each step (``k``).
     draft_time, verify_time, wall_time : float
         Seconds: the draft calls, the target calls plus verification, the whole call.
     """
@@ -383,6 +385,7 @@ class ForecastStats:
     offered_by_position: list[int] = dataclasses.field(default_factory=list)
     accepted_counts_by_position: list[int] = dataclasses.field(default_factory=list)
     residual_fallbacks: int = 0
+    draft_lengths: list[int] = dataclasses.field(default_factory=list)
     draft_time: float = 0.0
     verify_time: float = 0.0
     wall_time: float = 0.0
@@ -565,6 +568,68 @@ def _record_acceptance(stats: ForecastStats, k: int, num_accepted: torch.Tensor)
         stats.accepted_counts_by_position[depth] += reached
 
 
+def _expected_patches(alpha: float, k: int) -> float:
+    """Patches a row commits in a step of ``k`` drafts when each draft is accepted with
+    probability ``alpha`` independently: ``1 + alpha + ... + alpha^k``."""
+    return float(sum(alpha**i for i in range(k + 1)))
+
+
+def _best_draft_length(
+    alpha: float, target_seconds: float, draft_seconds: float, k_max: int
+) -> int:
+    """The ``k`` in ``1..k_max`` that commits the most patches per second: a step costs one
+    target call and ``k`` draft calls (the i.i.d. acceptance model of Leviathan et al., 2023)."""
+    rates = [
+        _expected_patches(alpha, k) / (target_seconds + k * draft_seconds)
+        for k in range(1, k_max + 1)
+    ]
+    return 1 + max(range(len(rates)), key=rates.__getitem__)
+
+
+class _DraftLength:
+    """Chooses each step's draft length from what the steps before measured.
+
+    The acceptance rate is estimated as accepted / tested drafts (a row of ``k`` drafts tests
+    ``min(accepted + 1, k)``), with one success and one failure as a prior; the costs are the
+    mean seconds per target call (with its verification) and per draft call. The first step
+    drafts ``k_max``. Invariant: at least one draft per step, so the estimate keeps learning.
+    Choosing ``k`` from past steps keeps a lossless forecast lossless: each step's output law
+    holds given everything before it, whatever ``k`` that step used.
+    """
+
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+        self.accepted, self.tested = 1, 2
+        self.target_seconds, self.target_calls = 0.0, 0
+        self.draft_seconds, self.draft_calls = 0.0, 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.tested
+
+    def choose(self) -> int:
+        if not (self.target_calls and self.draft_calls):
+            return self.k_max
+        return _best_draft_length(
+            self.acceptance,
+            self.target_seconds / self.target_calls,
+            self.draft_seconds / self.draft_calls,
+            self.k_max,
+        )
+
+    def observe(
+        self, k: int, num_accepted: torch.Tensor, draft_seconds: float, target_seconds: float
+    ) -> None:
+        if k:
+            accepted = int(num_accepted.sum())
+            self.accepted += accepted
+            self.tested += int(torch.clamp(num_accepted + 1, max=k).sum())
+            self.draft_seconds += draft_seconds
+            self.draft_calls += k
+        self.target_seconds += target_seconds
+        self.target_calls += 1
+
+
 def forecast(
     target: Any,
     context: torch.Tensor,
@@ -572,6 +637,7 @@ def forecast(
     *,
     draft: Any = None,
     num_draft: int = 4,
+    adaptive: bool = False,
     method: str = "sample",
     lenience: float = 1.0,
     tolerance: float = 0.0,
@@ -596,7 +662,13 @@ def forecast(
         The draft forecaster; None forecasts with the target alone, one call per patch (the
         baseline).
     num_draft : int
-        Patches drafted per step (``k``); fewer near the horizon.
+        Patches drafted per step (``k``); fewer near the horizon, and at most
+        ``max_context - 1``. With ``adaptive``, the most drafted per step.
+    adaptive : bool
+        Choose each step's ``k`` in ``1..num_draft`` that commits the most patches per second,
+        by the i.i.d. acceptance model (``1 + a + ... + a^k`` patches for one target call and
+        ``k`` draft calls) with the acceptance rate ``a`` and the call costs measured in this
+        call so far. Keeps the law of a lossless forecast.
     method : {"sample", "mean"}
         ``"sample"``: sample paths, verified by :func:`verify_gaussian`. ``"mean"``: point
         forecasts (each model's mean), verified by :func:`verify_gaussian_mean`.
@@ -636,6 +708,7 @@ def forecast(
     lengths = torch.full((batch,), known, dtype=torch.int64, device=context.device)
     goal = known + horizon
     stats = ForecastStats()
+    policy = _DraftLength(k_max) if adaptive and k_max else None
     bar = _Progress(batch * horizon, unit="patch", units="patches") if progress else None
     try:
         with torch.no_grad():
@@ -645,8 +718,10 @@ def forecast(
                     break
                 ends = lengths[rows]
                 remaining = goal - ends
-                # Drafting past the last patch of the longest remaining horizon buys nothing.
-                k = min(k_max, int(remaining.max()) - 1)
+                # Drafting past the last patch of the longest remaining horizon buys nothing,
+                # and a target window must hold the k drafts and the patch before them.
+                wanted = policy.choose() if policy is not None else k_max
+                k = min(wanted, int(remaining.max()) - 1, k_max if window is None else window - 1)
                 tick = time.perf_counter()
                 drafts, draft_means, draft_stds = [], [], []
                 for depth in range(k):
@@ -679,7 +754,11 @@ def forecast(
                         generator=generator,
                         max_residual_draws=max_residual_draws,
                     )
-                stats.verify_time += time.perf_counter() - tock
+                verified = time.perf_counter()
+                stats.verify_time += verified - tock
+                if policy is not None:
+                    policy.observe(k, out.num_accepted, tock - tick, verified - tock)
+                stats.draft_lengths.append(k)
                 history[rows, ends + out.num_accepted] = out.next_patch
                 lengths[rows] = ends + out.num_accepted + 1
                 committed = int(torch.minimum(out.num_accepted + 1, remaining).sum())
