@@ -246,7 +246,9 @@ def verify_gaussian(
     first rejection the correction patch is drawn from ``max(0, p - q)`` normalised; after ``K``
     accepted drafts the bonus patch is drawn from ``p = N(target_mean[b, K], ...)``. With
     ``lenience = 1`` and drafts drawn from ``q`` the emitted patches are distributed exactly as
-    ancestral sampling from the target (up to the fallback bound below).
+    ancestral sampling from the target (up to the fallback bound below). Densities are computed
+    in float64; drafts held in fp16 or bf16 are rounded draws, whose law is no longer exactly
+    ``q``, so keep the drafts in fp32 or fp64 where exactness matters.
 
     Parameters
     ----------
