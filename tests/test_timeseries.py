@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -26,15 +27,19 @@ class ARForecaster(torch.nn.Module):
     The forecast law is known in closed form, and a window's length does not change it.
     """
 
-    def __init__(self, phi: float, sigma: float, max_patches: int | None = None) -> None:
+    def __init__(
+        self, phi: float, sigma: float, max_patches: int | None = None, delay: float = 0.0
+    ) -> None:
         super().__init__()
-        self.phi, self.sigma = phi, sigma
+        self.phi, self.sigma, self.delay = phi, sigma, delay
         if max_patches is not None:
             self.max_patches = max_patches
         self.window_lengths: list[int] = []
 
     def forward(self, patches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.window_lengths.append(patches.shape[1])
+        if self.delay:
+            time.sleep(self.delay)  # a target that costs far more than its draft
         return self.phi * patches, torch.full_like(patches, self.sigma)
 
 
@@ -564,13 +569,16 @@ def test_best_draft_length_maximises_patches_per_second():
     assert ts._best_draft_length(0.5, 1.0, 0.1, 6) == 2
     assert ts._best_draft_length(0.99, 1.0, 0.01, 6) == 6
     assert ts._best_draft_length(0.05, 1.0, 0.01, 6) == 1
-    assert ts._best_draft_length(0.9, 1.0, 2.0, 6) == 1
+    # Drafting that costs more than it commits: the target alone.
+    assert ts._best_draft_length(0.9, 1.0, 2.0, 6) == 0
+    assert ts._best_draft_length(0.01, 1.0, 0.1, 6) == 0
 
 
 def test_adaptive_draft_length_follows_the_acceptance_and_keeps_the_law():
     target = ARForecaster(0.9, 0.5)
     context = _ar_context(6000)
-    good = ts.forecast(target, context, 8, draft=target, num_draft=4, adaptive=True)
+    slow = ARForecaster(0.9, 0.5, delay=0.02)
+    good = ts.forecast(slow, context, 8, draft=target, num_draft=4, adaptive=True)
     assert good.stats.draft_lengths == [4, 2]  # 5 patches, then the 3 left
     poor = ts.forecast(
         target,
@@ -582,7 +590,24 @@ def test_adaptive_draft_length_follows_the_acceptance_and_keeps_the_law():
         generator=_gen(35),
     )
     assert poor.stats.acceptance_rate < 0.05
-    assert poor.stats.draft_lengths[0] == 4 and max(poor.stats.draft_lengths[1:]) == 1
+    assert poor.stats.draft_lengths[0] == 4 and max(poor.stats.draft_lengths[1:]) <= 1
+    # A draft that is never accepted: after the first step the target forecasts alone, with one
+    # exploring draft every 8 steps.
+    never = ts.forecast(
+        target,
+        context[:64],
+        40,
+        draft=ARForecaster(0.8, 0.5),
+        num_draft=3,
+        method="mean",
+        adaptive=True,
+    )
+    lengths = never.stats.draft_lengths
+    assert lengths[0] == 3 and never.stats.acceptance_rate == 0.0
+    assert lengths[1:] == ([0] * 7 + [1]) * (len(lengths[1:]) // 8) + [0] * (len(lengths[1:]) % 8)
+    torch.testing.assert_close(
+        never.forecast, ts.forecast(target, context[:64], 40, method="mean").forecast
+    )
     mixed = ts.forecast(
         target,
         context,

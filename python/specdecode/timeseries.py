@@ -579,13 +579,13 @@ def _expected_patches(alpha: float, k: int) -> float:
 def _best_draft_length(
     alpha: float, target_seconds: float, draft_seconds: float, k_max: int
 ) -> int:
-    """The ``k`` in ``1..k_max`` that commits the most patches per second: a step costs one
-    target call and ``k`` draft calls (the i.i.d. acceptance model of Leviathan et al., 2023)."""
+    """The ``k`` in ``0..k_max`` that commits the most patches per second: a step costs one
+    target call and ``k`` draft calls (the i.i.d. acceptance model of Leviathan et al., 2023);
+    ``k = 0`` is the target alone, one patch per call."""
     rates = [
-        _expected_patches(alpha, k) / (target_seconds + k * draft_seconds)
-        for k in range(1, k_max + 1)
+        _expected_patches(alpha, k) / (target_seconds + k * draft_seconds) for k in range(k_max + 1)
     ]
-    return 1 + max(range(len(rates)), key=rates.__getitem__)
+    return max(range(len(rates)), key=rates.__getitem__)
 
 
 class _DraftLength:
@@ -594,16 +594,20 @@ class _DraftLength:
     The acceptance rate is estimated as accepted / tested drafts (a row of ``k`` drafts tests
     ``min(accepted + 1, k)``), with one success and one failure as a prior; the costs are the
     mean seconds per target call (with its verification) and per draft call. The first step
-    drafts ``k_max``. Invariant: at least one draft per step, so the estimate keeps learning.
-    Choosing ``k`` from past steps keeps a lossless forecast lossless: each step's output law
-    holds given everything before it, whatever ``k`` that step used.
+    drafts ``k_max``. Where drafting does not pay (``k = 0`` is best), every ``explore_every``-th
+    step still drafts one patch so that the estimate can recover. Choosing ``k`` from past steps
+    keeps a lossless forecast lossless: each step's output law holds given everything before
+    it, whatever ``k`` that step used.
     """
+
+    explore_every = 8
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
         self.accepted, self.tested = 1, 2
         self.target_seconds, self.target_calls = 0.0, 0
         self.draft_seconds, self.draft_calls = 0.0, 0
+        self.steps_without_draft = 0
 
     @property
     def acceptance(self) -> float:
@@ -612,22 +616,27 @@ class _DraftLength:
     def choose(self) -> int:
         if not (self.target_calls and self.draft_calls):
             return self.k_max
-        return _best_draft_length(
+        k = _best_draft_length(
             self.acceptance,
             self.target_seconds / self.target_calls,
             self.draft_seconds / self.draft_calls,
             self.k_max,
         )
+        if k == 0 and self.steps_without_draft + 1 >= self.explore_every:
+            return 1
+        return k
 
     def observe(
         self, k: int, num_accepted: torch.Tensor, draft_seconds: float, target_seconds: float
     ) -> None:
         if k:
-            accepted = int(num_accepted.sum())
-            self.accepted += accepted
+            self.accepted += int(num_accepted.sum())
             self.tested += int(torch.clamp(num_accepted + 1, max=k).sum())
             self.draft_seconds += draft_seconds
             self.draft_calls += k
+            self.steps_without_draft = 0
+        else:
+            self.steps_without_draft += 1
         self.target_seconds += target_seconds
         self.target_calls += 1
 
@@ -667,10 +676,11 @@ def forecast(
         Patches drafted per step (``k``); fewer near the horizon, and at most
         ``max_context - 1``. With ``adaptive``, the most drafted per step.
     adaptive : bool
-        Choose each step's ``k`` in ``1..num_draft`` that commits the most patches per second,
+        Choose each step's ``k`` in ``0..num_draft`` that commits the most patches per second,
         by the i.i.d. acceptance model (``1 + a + ... + a^k`` patches for one target call and
         ``k`` draft calls) with the acceptance rate ``a`` and the call costs measured in this
-        call so far. Keeps the law of a lossless forecast.
+        call so far; where no drafting pays, one step in 8 still drafts one patch. Keeps the law
+        of a lossless forecast.
     method : {"sample", "mean"}
         ``"sample"``: sample paths, verified by :func:`verify_gaussian`. ``"mean"``: point
         forecasts (each model's mean), verified by :func:`verify_gaussian_mean`.
