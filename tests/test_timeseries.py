@@ -619,3 +619,19 @@ def test_adaptive_draft_length_follows_the_acceptance_and_keeps_the_law():
     )
     _assert_ar_law(context, mixed.forecast, 0.9, 0.5)
     assert len(mixed.stats.draft_lengths) == mixed.stats.steps
+
+
+def test_num_samples_draws_independent_paths_per_series():
+    target, draft = ARForecaster(0.9, 0.5), ARForecaster(0.5, 0.9)
+    context = _ar_context(3)
+    context[1, -1] += 4.0
+    out = ts.forecast(target, context, 5, draft=draft, num_samples=2000, generator=_gen(37))
+    assert out.forecast.shape == (3, 2000, 5, 2) and out.stats.patches == 3 * 2000 * 5
+    # Each series' paths follow its own context: the AR law per series.
+    for b in range(3):
+        _assert_ar_law(context[b : b + 1].expand(2000, -1, -1), out.forecast[b], 0.9, 0.5)
+    assert not torch.equal(out.forecast[0, 0], out.forecast[0, 1])
+    with pytest.raises(ValueError, match="num_samples applies"):
+        ts.forecast(target, context, 5, method="mean", num_samples=2)
+    with pytest.raises(ValueError, match="num_samples: expected >= 1"):
+        ts.forecast(target, context, 5, num_samples=0)

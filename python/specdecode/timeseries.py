@@ -653,6 +653,7 @@ def forecast(
     lenience: float = 1.0,
     tolerance: float = 0.0,
     max_context: Optional[int] = None,
+    num_samples: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     max_residual_draws: int = 1 << 20,
     progress: bool = False,
@@ -695,6 +696,10 @@ def forecast(
         target call covers the history's last ``max_context - k`` patches plus the ``k`` drafts,
         so a verified patch is conditioned on ``max_context - k`` to ``max_context`` patches; its
         law is the target's given exactly those.
+    num_samples : int, optional
+        ``method="sample"`` only: draw ``S = num_samples`` independent paths per series (for
+        quantiles and intervals), all in one batch of ``B * S`` rows; the forecast is then
+        ``[B, S, horizon, P]``.
     generator : torch.Generator, optional
         Source of randomness (draws, acceptance tests), on the context's device.
     max_residual_draws : int
@@ -705,12 +710,32 @@ def forecast(
     Returns
     -------
     ForecastOutput
-        ``forecast`` ``[B, horizon, P]`` (the context's dtype and device) and
-        :class:`ForecastStats`.
+        ``forecast`` ``[B, horizon, P]`` (``[B, S, horizon, P]`` with ``num_samples``; the
+        context's dtype and device) and :class:`ForecastStats` (its counts over all rows).
     """
     window = _check_forecast_args(
         target, draft, context, horizon, num_draft, method, lenience, tolerance, max_context
     )
+    if num_samples is not None:
+        if method != "sample":
+            raise ValueError("num_samples applies to method='sample'; a mean forecast is one path")
+        if int(num_samples) < 1:
+            raise ValueError(f"num_samples: expected >= 1, got {num_samples}")
+        paths = forecast(
+            target,
+            context.repeat_interleave(int(num_samples), 0),
+            horizon,
+            draft=draft,
+            num_draft=num_draft,
+            adaptive=adaptive,
+            lenience=lenience,
+            max_context=max_context,
+            generator=generator,
+            max_residual_draws=max_residual_draws,
+            progress=progress,
+        )
+        shape = (context.shape[0], int(num_samples), *paths.forecast.shape[1:])
+        return ForecastOutput(paths.forecast.view(shape), paths.stats)
     started = time.perf_counter()
     batch, known, patch = context.shape
     horizon, k_max = int(horizon), (int(num_draft) if draft is not None else 0)
