@@ -418,6 +418,7 @@ class _WrongShape(torch.nn.Module):
         ({"context": torch.zeros((2, 0, 2))}, ValueError, "context"),
         ({"context": torch.zeros((2, 3, 2), dtype=torch.int32)}, TypeError, "context"),
         ({"horizon": 0}, ValueError, "horizon"),
+        ({"horizon": 2.5}, TypeError, "horizon: expected an int"),
         ({"method": "greedy"}, ValueError, "method"),
         ({"tolerance": 0.5}, ValueError, "tolerance applies to method='mean'"),
         ({"method": "mean", "lenience": 0.5}, ValueError, "lenience applies"),
@@ -533,7 +534,7 @@ def test_distilled_draft_matches_the_target_and_is_accepted_more():
     assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
     after = ts.forecast(target, context, 6, draft=draft, num_draft=2, generator=_gen(31))
     assert after.stats.acceptance_rate > before.stats.acceptance_rate + 0.2
-    with pytest.raises(ValueError, match="steps and batch_size"):
+    with pytest.raises(ValueError, match="steps: expected an int >= 1"):
         ts.distill_forecaster(draft, target, series, steps=0)
 
 
@@ -633,5 +634,5 @@ def test_num_samples_draws_independent_paths_per_series():
     assert not torch.equal(out.forecast[0, 0], out.forecast[0, 1])
     with pytest.raises(ValueError, match="num_samples applies"):
         ts.forecast(target, context, 5, method="mean", num_samples=2)
-    with pytest.raises(ValueError, match="num_samples: expected >= 1"):
+    with pytest.raises(ValueError, match="num_samples: expected an int >= 1"):
         ts.forecast(target, context, 5, num_samples=0)

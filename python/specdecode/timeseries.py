@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .engine import _Progress
+from .models._checks import check_positive_int
 
 __all__ = [
     "ForecastOutput",
@@ -282,8 +283,7 @@ def verify_gaussian(
     )
     if not 0.0 < lenience <= 1.0:
         raise ValueError(f"lenience: expected a value in (0, 1], got {lenience}")
-    if int(max_residual_draws) < 1:
-        raise ValueError(f"max_residual_draws: expected >= 1, got {max_residual_draws}")
+    max_residual_draws = check_positive_int("max_residual_draws", max_residual_draws)
     device = draft.device
     if k:
         log_ratio = gaussian_log_prob(draft, target_mean[:, :k], target_std[:, :k])
@@ -523,12 +523,11 @@ def _check_forecast_args(
             f"context: expected [B, L, P] with L >= 1 and P >= 1, got shape {list(context.shape)}"
         )
     _check_finite("context", context)
-    if int(horizon) < 1:
-        raise ValueError(f"horizon: expected >= 1 patches, got {horizon}")
+    check_positive_int("horizon", horizon)
     if method not in _METHODS:
         raise ValueError(f"method: expected one of {_METHODS}, got {method!r}")
-    if draft is not None and int(num_draft) < 1:
-        raise ValueError(f"num_draft: expected >= 1 with a draft forecaster, got {num_draft}")
+    if draft is not None:
+        check_positive_int("num_draft", num_draft)
     if method == "mean" and lenience != 1.0:
         raise ValueError("lenience applies to method='sample'; method='mean' uses tolerance")
     if method == "sample" and tolerance != 0.0:
@@ -540,8 +539,7 @@ def _check_forecast_args(
     ]
     if max_context is None:
         return min((limit for _, limit in limits), default=None)
-    if int(max_context) < 1:
-        raise ValueError(f"max_context: expected >= 1 patches, got {max_context}")
+    check_positive_int("max_context", max_context)
     for name, limit in limits:
         if int(max_context) > limit:
             raise ValueError(
@@ -719,8 +717,7 @@ def forecast(
     if num_samples is not None:
         if method != "sample":
             raise ValueError("num_samples applies to method='sample'; a mean forecast is one path")
-        if int(num_samples) < 1:
-            raise ValueError(f"num_samples: expected >= 1, got {num_samples}")
+        check_positive_int("num_samples", num_samples)
         paths = forecast(
             target,
             context.repeat_interleave(int(num_samples), 0),
@@ -851,8 +848,7 @@ class PatchForecaster(nn.Module):
             ("num_heads", num_heads),
             ("max_patches", max_patches),
         ):
-            if int(value) < 1:
-                raise ValueError(f"{name}: expected >= 1, got {value}")
+            check_positive_int(name, value)
         if dim % num_heads:
             raise ValueError(f"dim: {dim} is not a multiple of num_heads = {num_heads}")
         if not min_std > 0.0:
@@ -927,8 +923,8 @@ def synthetic_series(
     torch.Tensor
         ``[N, T]``, on the CPU.
     """
-    if int(num_series) < 1 or int(length) < 1:
-        raise ValueError(f"num_series and length: expected >= 1, got {num_series}, {length}")
+    check_positive_int("num_series", num_series)
+    check_positive_int("length", length)
     n, t = int(num_series), int(length)
 
     def uniform(low: float, high: float) -> torch.Tensor:
@@ -962,8 +958,8 @@ def _check_training_args(model: Any, series: Any, steps: int, batch_size: int) -
             f"series: expected [N, T] with T >= 2 * patch_len = {2 * patch}, "
             f"got shape {list(series.shape)}"
         )
-    if int(steps) < 1 or int(batch_size) < 1:
-        raise ValueError(f"steps and batch_size: expected >= 1, got {steps}, {batch_size}")
+    check_positive_int("steps", steps)
+    check_positive_int("batch_size", batch_size)
     _check_finite("series", series)
     return patch, min(limit + 1, series.shape[1] // patch)
 
