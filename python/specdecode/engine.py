@@ -81,6 +81,10 @@ class GenerationStats:
         Seconds: drafting (propose + tree pruning), the target forward over the trees plus
         :func:`~specdecode.ops.verify`, everything else in the loop (cache compaction, commit,
         drafter updates), the prompt prefill, and the whole call.
+    judge_accepted : int
+        With a ``judge``: accepted draft tokens that differ from the target's most likely token
+        (mismatches the judge let through; under greedy verification, every token it accepted
+        that the rule alone would have rejected).
     """
 
     steps: int = 0
@@ -95,6 +99,7 @@ class GenerationStats:
     offered_by_position: list[int] = dataclasses.field(default_factory=list, repr=False)
     accepted_counts_by_position: list[int] = dataclasses.field(default_factory=list, repr=False)
     node_budgets: list[int] = dataclasses.field(default_factory=list, repr=False)
+    judge_accepted: int = 0
 
     @property
     def accepted_tokens(self) -> int:
@@ -963,6 +968,12 @@ class SpeculativeDecoder:
         Chooses the node budget of every step (at most ``max_nodes``): one for all rows
         (:class:`AdaptiveBudget`) or one per row (:class:`CostAwareBudget`); None: every step
         may use ``max_nodes`` nodes.
+    judge : object with ``allow(hidden, logits, tokens, parents)``, optional
+        A judge of mismatches (:class:`specdecode.judge.TokenJudge`, AutoJudge): the target is
+        asked for its last hidden state in every verify pass, and the nodes the judge allows are
+        accepted whatever the method says (:func:`specdecode.ops.verify`'s ``allow``). Lossy by
+        design; meant for ``method="greedy"`` (or temperature 0). The judge must come from
+        this target (its features have the target's hidden size).
     **verify_options
         ``eps``, ``alpha``, ``topk_accept``, ``correction`` for the lossy methods (see
         :func:`specdecode.ops.verify`), checked here: an option the method does not read, or
@@ -978,6 +989,7 @@ class SpeculativeDecoder:
         max_nodes: int = 64,
         progress: bool = False,
         budget: Union[AdaptiveBudget, CostAwareBudget, None] = None,
+        judge: Any = None,
         **verify_options: Any,
     ) -> None:
         for attr in ("forward", "new_cache", "vocab_size", "max_length", "device"):
@@ -1010,9 +1022,15 @@ class SpeculativeDecoder:
             raise TypeError(
                 f"budget: expected an AdaptiveBudget, a CostAwareBudget or None, got {budget!r}"
             )
+        if judge is not None and not callable(getattr(judge, "allow", None)):
+            raise TypeError(
+                f"judge: expected an object with allow(hidden, logits, tokens, parents) "
+                f"(specdecode.judge.TokenJudge), got {judge!r}"
+            )
         self.target = target
         self.drafter = drafter
         self.budget = budget
+        self.judge = judge
         self.method = method
         self.max_nodes = max_nodes
         self.progress = bool(progress)
@@ -1281,9 +1299,17 @@ class SpeculativeDecoder:
             real[idx] = tree.num_nodes[idx]
             extra["num_nodes"] = real
         tf = time.perf_counter()
-        logits = self.target.forward(tokens, positions, cache, tree_mask=mask, **extra)
+        if self.judge is None:
+            logits = self.target.forward(tokens, positions, cache, tree_mask=mask, **extra)
+        else:
+            logits, (hidden,) = self.target.forward(
+                tokens, positions, cache, tree_mask=mask, output_hidden=[-1], **extra
+            )
         forward_time = time.perf_counter() - tf
-        result = self._verify(state, tree, logits)
+        allow = None if self.judge is None else self._judge(tree, hidden, logits)
+        result = self._verify(state, tree, logits, allow)
+        if allow is not None:
+            stats.judge_accepted += _judged(tree, logits, result, idx)
         t2 = time.perf_counter()
         counts = self._accept(state, cache, result, act)
         committed = self._commit(state, result, act, counts, stops)
@@ -1496,7 +1522,25 @@ class SpeculativeDecoder:
         tokens = torch.from_numpy(np.maximum(host_tokens, 0).astype(np.int64))
         return tokens.to(device), positions.to(device), tree.mask.to(device)
 
-    def _verify(self, state: _Batch, tree: _Tree, logits: torch.Tensor) -> ops.VerifyResult:
+    def _judge(self, tree: _Tree, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The judge's ``allow`` mask (bool ``[B, N]`` on the logits' device) for the trees."""
+        device = logits.device
+        allow = self.judge.allow(hidden, logits, tree.tokens.to(device), tree.parents.to(device))
+        allow = torch.as_tensor(allow)
+        if allow.dtype != torch.bool or tuple(allow.shape) != tuple(tree.tokens.shape):
+            raise ValueError(
+                f"judge: allow() returned {allow.dtype} of shape {list(allow.shape)}, expected "
+                f"bool {list(tree.tokens.shape)}"
+            )
+        return allow.to(device)
+
+    def _verify(
+        self,
+        state: _Batch,
+        tree: _Tree,
+        logits: torch.Tensor,
+        allow: Optional[torch.Tensor] = None,
+    ) -> ops.VerifyResult:
         device = logits.device
         offset = torch.tensor([len(state.tokens[b]) for b in state.rows], dtype=torch.int64)
         probs = tree.draft_probs
@@ -1513,6 +1557,7 @@ class SpeculativeDecoder:
             offset=offset.to(device),
             method=self.method,
             max_depth=max(int(tree.depth.max()), 0),
+            allow=allow,
             **self.verify_options,
         )
 
@@ -1575,6 +1620,21 @@ class SpeculativeDecoder:
         finished = [b for b in active if state.done[b]]
         if finished:
             self.drafter.release(finished)
+
+
+def _judged(tree: _Tree, logits: torch.Tensor, result: ops.VerifyResult, rows: torch.Tensor) -> int:
+    """Accepted nodes of the cache rows ``rows`` whose token is not the target's argmax at their
+    parent (the mismatches a judge let through)."""
+    parents = tree.parents.to(torch.int64)
+    top = logits.argmax(dim=-1).cpu()  # [B, N]: the target's choice for each node's children
+    at_parent = torch.gather(top, 1, parents.clamp(min=0))
+    mismatch = (tree.tokens.to(torch.int64) != at_parent) & (parents >= 0)
+    path = result.path.cpu().to(torch.int64)  # [B, D + 1]: node indices, root first
+    accepted = result.num_accepted.cpu().to(torch.int64)
+    depth = torch.arange(path.shape[1])[None, :]
+    taken = (depth >= 1) & (depth <= accepted[:, None])
+    on_path = torch.gather(mismatch, 1, path.clamp(min=0)) & taken
+    return int(on_path[rows].sum())
 
 
 def _prune(
