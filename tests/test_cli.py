@@ -7,6 +7,7 @@ Subprocess tests run the installed entry point the way a user does; the option c
 from __future__ import annotations
 
 import io
+import math
 import shutil
 import subprocess
 import sys
@@ -546,3 +547,39 @@ def test_on_step_errors():
 
     with pytest.raises(KeyError, match="stop here"):
         generate(target, [[1]], max_new_tokens=4, on_step=stop)
+
+
+# ---- generate --judge --------------------------------------------------------------------------
+
+
+@requires_pycode
+def test_generate_with_a_judge_file(pair, tmp_path, capsys):
+    from specdecode.judge import TokenJudge
+
+    target, draft, tok = pair
+    width = 2 * target.config.hidden_size + 3
+    # Threshold inf: every mismatch is judged unimportant, so the draft's chains go through.
+    judge = TokenJudge(torch.zeros(width), 0.0, torch.zeros(width), torch.ones(width), math.inf)
+    path = tmp_path / "all.safetensors"
+    judge.save(path)
+    argv = ["generate", PROMPT, "--drafter", "model", "-k", "3", "--max-new-tokens", "12"]
+    code, out, err = run_main([*argv, "--no-echo", "--threads", "1", "--judge", str(path)], capsys)
+    assert code == 0, err
+    ids = tok.encode(PROMPT, bos=True)
+    want = generate(
+        target,
+        [ids],
+        drafter=ModelDrafter(draft, mode="chain", k=3),
+        max_new_tokens=12,
+        stop_token_ids=[tok.eos_id],
+        judge=judge,
+    )
+    assert want.stats.judge_accepted > 0
+    assert out == tok.decode(want.sequences[0]) + "\n"
+    assert f"accepted {want.stats.judge_accepted} mismatches" in err
+    line = _one_clean_line(
+        *run_main([*argv, "--judge", str(path), "--temperature", "0.5"], capsys)[::2]
+    )
+    assert "--judge: judge decoding is greedy; use --temperature 0" in line
+    line = _one_clean_line(*run_main([*argv, "--judge", str(tmp_path / "none")], capsys)[::2])
+    assert "--judge: path: no judge file at" in line

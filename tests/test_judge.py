@@ -442,6 +442,12 @@ def test_the_judge_accepted_count_is_the_mismatches_on_the_path(target, draft_mo
     assert mismatches == out.stats.judge_accepted
 
 
+def test_tokens_the_target_agrees_with_are_not_counted_as_judged(target):
+    # The target drafting for itself: every draft token is the argmax, nothing is a mismatch.
+    out = decode(target, target, prompts_for(3, seed=9), ConstantJudge(True))
+    assert out.stats.accepted_tokens > 0 and out.stats.judge_accepted == 0
+
+
 def test_a_fitted_judge_decodes_in_batches(target, draft_model):
     prompts = prompts_for(8, seed=8)
     mined = mine_important_tokens(
@@ -534,3 +540,23 @@ def test_numpy_labels_are_refused_with_a_clear_type_error():
     x, y = separable(60)
     with pytest.raises(TypeError, match="bool"):
         TokenJudge.fit(x, np.asarray(y, dtype=np.int64))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_judge_runs_on_hugging_face_models(family):
+    from reference_models import gpt2_model, hf_model
+    from specdecode.models import HFCausalLM
+
+    hf = gpt2_model() if family == "gpt2" else hf_model("llama")
+    hf_draft = gpt2_model(seed=5) if family == "gpt2" else hf_model("llama", seed=5)
+    model, draft = HFCausalLM(hf), HFCausalLM(hf_draft)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in (3, 6)]
+    nothing = decode(model, draft, prompts, ConstantJudge(False))
+    assert nothing.sequences == [greedy_reference(model, p, 16) for p in prompts]
+    everything = decode(model, draft, prompts, ConstantJudge(True))
+    assert everything.stats.accepted_tokens == everything.stats.offered_depth
+    # Mining reads the same hidden states through the adapter.
+    mined = mine_important_tokens(model, draft, prompts, lambda *a: False, max_new_tokens=6)
+    width = 2 * hf.config.hidden_size + 3
+    assert mined.features.shape[1] == width and len(mined.mismatches) > 0

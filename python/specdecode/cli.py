@@ -438,6 +438,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"model's max length of {limit} tokens; shorten the prompt or lower --max-new-tokens"
         )
     drafter = make_drafter(args.drafter, loaded, args.draft_model, args.k, args.stop_below)
+    judge = _load_judge(args.judge, args.temperature)
 
     from .engine import generate
 
@@ -458,6 +459,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             seed=seed,
             stop_token_ids=loaded.codec.stop_ids,
             on_step=streamer,
+            judge=judge,
         )
     except (TypeError, ValueError) as exc:
         raise CLIError(str(exc)) from None
@@ -473,7 +475,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         f"top-k {args.top_k}, top-p {args.top_p}, seed {seed}, {threads} torch "
         f"thread{'s' if threads != 1 else ''}, on {_device_name(device)}\n"
     )
+    if judge is not None:
+        sys.stderr.write(
+            f"[{args.drafter}] judge {args.judge}: accepted {stats.judge_accepted} mismatches\n"
+        )
     return 0
+
+
+def _load_judge(path: Optional[str], temperature: float) -> Any:
+    """The ``--judge`` file as a TokenJudge (None without the option)."""
+    if path is None:
+        return None
+    if temperature != 0:
+        raise CLIError(
+            f"--judge: judge decoding is greedy; use --temperature 0 (got {temperature})"
+        )
+    from .judge import TokenJudge
+
+    try:
+        return TokenJudge.load(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(f"--judge: {exc}") from None
 
 
 # ---- demo ----------------------------------------------------------------------------------------
@@ -871,6 +893,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="draft model drafters: end a draft where the draft model's top next-token "
         "probability is below P, in (0, 1] (default: draft k tokens whatever the confidence)",
+    )
+    p_gen.add_argument(
+        "--judge",
+        metavar="FILE",
+        default=None,
+        help="a TokenJudge saved by specdecode.judge (AutoJudge): accept the draft/target "
+        "mismatches it judges unimportant (lossy; greedy only, --temperature 0)",
     )
     _add_device_argument(p_gen)
     p_gen.add_argument(

@@ -1625,16 +1625,16 @@ class SpeculativeDecoder:
 def _judged(tree: _Tree, logits: torch.Tensor, result: ops.VerifyResult, rows: torch.Tensor) -> int:
     """Accepted nodes of the cache rows ``rows`` whose token is not the target's argmax at their
     parent (the mismatches a judge let through)."""
-    parents = tree.parents.to(torch.int64)
-    top = logits.argmax(dim=-1).cpu()  # [B, N]: the target's choice for each node's children
-    at_parent = torch.gather(top, 1, parents.clamp(min=0))
-    mismatch = (tree.tokens.to(torch.int64) != at_parent) & (parents >= 0)
-    path = result.path.cpu().to(torch.int64)  # [B, D + 1]: node indices, root first
-    accepted = result.num_accepted.cpu().to(torch.int64)
-    depth = torch.arange(path.shape[1])[None, :]
-    taken = (depth >= 1) & (depth <= accepted[:, None])
-    on_path = torch.gather(mismatch, 1, path.clamp(min=0)) & taken
-    return int(on_path[rows].sum())
+    # A handful of accepted nodes per row: a loop over numpy views costs less than torch ops.
+    top = logits.argmax(dim=-1).cpu().numpy()  # [B, N]: the target's choice for the children
+    tokens, parents = tree.tokens.numpy(), tree.parents.numpy()
+    path = result.path.cpu().numpy()  # [B, D + 1]: the root, then the accepted nodes
+    accepted = result.num_accepted.cpu().numpy()
+    count = 0
+    for b in rows.tolist():
+        for node in path[b, 1 : int(accepted[b]) + 1]:
+            count += int(tokens[b, node] != top[b, parents[b, node]])
+    return count
 
 
 def _prune(
@@ -1813,6 +1813,7 @@ def generate(
     progress: bool = False,
     on_step: Optional[Callable[[int, list[int]], Any]] = None,
     budget: Optional[AdaptiveBudget] = None,
+    judge: Any = None,
     **verify_options: Any,
 ) -> GenerationOutput:
     """Generates with speculative decoding in one call (see :class:`SpeculativeDecoder`).
@@ -1827,7 +1828,7 @@ def generate(
         Default :class:`~specdecode.drafters.NoDrafter` (plain decoding).
     max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, on_step
         As in :meth:`SpeculativeDecoder.generate`.
-    method, max_nodes, progress, budget
+    method, max_nodes, progress, budget, judge
         As in :class:`SpeculativeDecoder`.
     **verify_options
         ``eps``, ``alpha``, ``topk_accept``, ``correction`` for the lossy methods, as in
@@ -1845,6 +1846,7 @@ def generate(
         max_nodes=max_nodes,
         progress=progress,
         budget=budget,
+        judge=judge,
         **verify_options,
     )
     return decoder.generate(

@@ -129,10 +129,8 @@ def judge_features(
     logits = logits.to(device).float()
     lse = torch.logsumexp(logits, dim=-1)  # [B, N]
     top = logits.amax(dim=-1) - lse
-    probs = torch.softmax(logits, dim=-1)
-    # sum p * logit over p > 0 only: a -inf logit has p = 0 and must not give 0 * -inf = nan.
-    weighted = torch.where(probs > 0, probs * logits, torch.zeros_like(probs)).sum(dim=-1)
-    entropy = lse - weighted
+    # entr(p) = -p log p, 0 at p = 0 (a -inf logit must not give 0 * -inf = nan).
+    entropy = torch.special.entr(torch.softmax(logits, dim=-1)).sum(dim=-1)
     # The token's logit is read in its parent's row: index rows [b, parent[b, i]].
     rows = parent + torch.arange(batch, device=device)[:, None] * n
     token_logit = logits.flatten(0, 1)[rows.flatten(), token.flatten()].view(batch, n)
@@ -478,15 +476,18 @@ class MinedMismatches:
         return float(self.important.sum()) / n if n else 0.0
 
     def summary(self) -> str:
-        """One line: prompts, mismatches, the important fraction."""
+        """One line: mismatches, the prompts they come from, the important fraction."""
+        prompts = len({m.prompt for m in self.mismatches})
         return (
-            f"{len(self.references)} prompts, {len(self.mismatches)} mismatches, "
+            f"{len(self.mismatches)} mismatches from {prompts} prompts, "
             f"{self.important_fraction:.1%} important"
         )
 
     def select(self, prompts: Iterable[int]) -> MinedMismatches:
         """The mismatches of the given prompt indices (for a split by prompt: mismatches of one
-        response are correlated, so train and held-out sets should not share prompts)."""
+        response are correlated, so train and held-out sets should not share prompts).
+        ``references`` and ``responses`` stay those of every prompt, as ``Mismatch.prompt``
+        indexes them."""
         keep = sorted(set(int(p) for p in prompts))
         rows = [i for i, m in enumerate(self.mismatches) if m.prompt in set(keep)]
         index = torch.tensor(rows, dtype=torch.int64)
