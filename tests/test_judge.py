@@ -442,6 +442,24 @@ def test_the_judge_accepted_count_is_the_mismatches_on_the_path(target, draft_mo
     assert mismatches == out.stats.judge_accepted
 
 
+def test_a_judge_with_tree_drafts(target, draft_model):
+    prompts = prompts_for(4, seed=12)
+
+    def tree_decode(judge):
+        drafter = ModelDrafter(draft_model, mode="tree", k=3, branch=2, beam=2, max_nodes=8)
+        dec = SpeculativeDecoder(target, drafter, method="greedy", judge=judge)
+        return dec.generate(prompts, max_new_tokens=16, temperature=0.0)
+
+    assert tree_decode(ConstantJudge(False)).sequences == [
+        greedy_reference(target, p, 16) for p in prompts
+    ]
+    everything, plain = tree_decode(ConstantJudge(True)), tree_decode(None)
+    # Every step walks down to a leaf (of the first branch where no child is the argmax), so
+    # steps are longer; the count is of mismatches only.
+    assert everything.stats.tokens_per_step > plain.stats.tokens_per_step
+    assert 0 < everything.stats.judge_accepted <= everything.stats.accepted_tokens
+
+
 def test_tokens_the_target_agrees_with_are_not_counted_as_judged(target):
     # The target drafting for itself: every draft token is the argmax, nothing is a mismatch.
     out = decode(target, target, prompts_for(3, seed=9), ConstantJudge(True))
@@ -560,3 +578,16 @@ def test_a_judge_runs_on_hugging_face_models(family):
     mined = mine_important_tokens(model, draft, prompts, lambda *a: False, max_new_tokens=6)
     width = 2 * hf.config.hidden_size + 3
     assert mined.features.shape[1] == width and len(mined.mismatches) > 0
+
+
+def test_final_numbers():
+    from specdecode.judge import final_number, same_final_number
+
+    assert final_number("so 12 + 30 = 42.\n#### 1,234") == 1234
+    assert final_number("The answer is -3.50 dollars.") == final_number("-3.5")
+    assert final_number("no digits here") is None
+    assert same_final_number("... = 72", "we get 72.0")
+    assert not same_final_number("... = 72", "we get 27")
+    assert same_final_number("none", "still none") and not same_final_number("none", "1")
+    with pytest.raises(TypeError):
+        final_number(72)

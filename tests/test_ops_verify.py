@@ -735,6 +735,24 @@ def test_allow_accepts_regardless():
     assert bool((res.emitted[:, :2] == 7).all()) and bool((res.emitted[:, 2] != 7).all())
 
 
+def test_greedy_allow_prefers_the_argmax_child_over_an_allowed_sibling():
+    # Root with three children: an allowed mismatch, the argmax, another allowed mismatch; the
+    # argmax child has an allowed mismatch below it. Greedy takes the argmax child, then the
+    # allowed grandchild; without an argmax child the first allowed sibling is taken.
+    v = 12
+    logits = torch.zeros(2, 5, v)
+    logits[:, :, 5] = 4.0  # the argmax everywhere
+    parents = torch.tensor([[-1, 0, 0, 0, 2], [-1, 0, 0, 0, 2]], dtype=torch.int32)
+    tokens = torch.tensor([[0, 3, 5, 4, 9], [0, 3, 6, 4, 9]])
+    allow = torch.tensor([[0, 1, 0, 1, 1], [0, 0, 1, 1, 0]], dtype=torch.bool)
+    res = ops.verify(
+        logits, tokens, parents=parents, allow=allow, temperature=0.0, seed=0, offset=0
+    )
+    assert res.path[0].tolist() == [0, 2, 4] and res.emitted[0].tolist() == [5, 9, 5]
+    assert res.path[1].tolist()[:2] == [0, 2] and res.num_accepted.tolist() == [2, 1]
+    assert res.emitted[1, :2].tolist() == [6, 5]
+
+
 # ---- greedy ------------------------------------------------------------------------------------
 
 

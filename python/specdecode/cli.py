@@ -104,6 +104,16 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _fraction_open(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    return value
+
+
 def _top_p(text: str) -> float:
     try:
         value = float(text)
@@ -796,6 +806,126 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 # ---- info ----------------------------------------------------------------------------------------
 
 
+# ---- judge ---------------------------------------------------------------------------------------
+
+JUDGE_CHECKS = ("python-code", "final-number")
+
+
+def _judge_prompts(args: argparse.Namespace) -> List[str]:
+    """The prompt texts of ``specdecode judge``: ``--prompts FILE`` (JSON Lines, each line a
+    string or an object with a ``"prompt"`` string) or ``--humaneval N``."""
+    if (args.prompts is None) == (args.humaneval is None):
+        raise CLIError("give the prompts with either --prompts FILE or --humaneval N")
+    if args.humaneval is not None:
+        from .benchmark import humaneval_prompts
+
+        try:
+            return humaneval_prompts(args.humaneval)
+        except ModuleNotFoundError as exc:
+            raise CLIError(f"--humaneval: {exc}") from None
+    path = Path(args.prompts).expanduser()
+    if not path.is_file():
+        raise CLIError(f"--prompts: no file {args.prompts}")
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CLIError(f"--prompts: {path}:{number}: not JSON ({exc.msg})") from None
+            if isinstance(item, dict):
+                item = item.get("prompt")
+            if not isinstance(item, str) or not item:
+                raise CLIError(
+                    f"--prompts: {path}:{number}: expected a non-empty JSON string or an object "
+                    'with a "prompt" string'
+                )
+            texts.append(item)
+    if len(texts) < 2:
+        raise CLIError(f"--prompts: {path} holds {len(texts)} prompt(s); the judge needs 2 or more")
+    return texts
+
+
+def _cmd_judge(args: argparse.Namespace) -> int:
+    from .judge import TokenJudge, mine_important_tokens, same_final_number, same_python_code
+    from .zoo._paths import writable_file
+
+    try:
+        out_path = writable_file(Path(args.out).expanduser(), "--out")
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    texts = _judge_prompts(args)
+    held_count = max(1, round(args.held_out * len(texts)))
+    if held_count >= len(texts):
+        raise CLIError(
+            f"--held-out {args.held_out}: leaves no prompt to fit on ({len(texts)} prompts)"
+        )
+    threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
+    device = _device_option(args.device)
+    loaded = load_model(args.model)
+    target = _move(loaded.target, device)
+    draft = loaded.draft
+    if args.draft_model is not None:
+        draft = _load_dir(_check_model_dir(args.draft_model, "--draft-model"), "--draft-model")
+    if draft is None:
+        raise CLIError("--draft-model: needed (a small model with the target's vocabulary)")
+    draft = _move(draft, device)
+    codec = loaded.codec
+    ids = [codec.encode(t) for t in texts]
+    if any(not row for row in ids):
+        raise CLIError("--prompts: a prompt encodes to no tokens")
+    check = {"python-code": same_python_code, "final-number": same_final_number}[args.check]
+
+    def equivalent(prompt: List[int], reference: List[int], candidate: List[int]) -> bool:
+        return check(codec.decode(reference), codec.decode(candidate))
+
+    try:
+        mined = mine_important_tokens(
+            target,
+            draft,
+            ids,
+            equivalent,
+            max_new_tokens=args.max_new_tokens,
+            stop_token_ids=codec.stop_ids,
+            draft_k=args.k,
+            progress=True,
+        )
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    split = len(ids) - held_count
+    fit_set, held = mined.select(range(split)), mined.select(range(split, len(ids)))
+    sys.stderr.write(f"mined: {mined.summary()}; {threads} torch threads\n")
+    try:
+        judge = TokenJudge.fit(fit_set.features, fit_set.important, recall=args.recall)
+    except ValueError as exc:
+        raise CLIError(
+            f"cannot fit a judge on {fit_set.summary()} ({exc}); give more prompts, longer "
+            "responses (--max-new-tokens) or another --check"
+        ) from None
+    where = "the fitting prompts' mismatches"
+    if 0 < int(held.important.sum()) < held.important.numel():
+        judge = judge.with_threshold(
+            judge.threshold_for_recall(held.features, held.important, args.recall)
+        )
+        where = f"the held-out prompts' mismatches ({held.summary()})"
+    scores = judge.importance(held.features) if held.important.numel() else None
+    judge.save(out_path)
+    print(
+        f"judge: {judge.num_features} features, threshold {judge.threshold:.4g} "
+        f"(recall {args.recall} on {where})"
+    )
+    if scores is not None:
+        allowed = scores < judge.threshold
+        for name, rows in (("unimportant", ~held.important), ("important", held.important)):
+            if rows.any():
+                share = float(allowed[rows].double().mean())
+                print(f"held out: accepts {share:.1%} of the {name} mismatches")
+    print(f"saved to {out_path}; decode with: specdecode generate --judge {out_path} ...")
+    return 0
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from ._info import format_info, info
 
@@ -915,6 +1045,74 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads, and the kernels' (default: 1 for a zoo model, else the cores up to 4)",
     )
     p_gen.set_defaults(func=_cmd_generate)
+
+    p_judge = sub.add_parser(
+        "judge",
+        help="mine a model pair's mismatches and fit an AutoJudge judge for generate --judge",
+        description="Labels the mismatches between the draft and the target model on the given "
+        "prompts (AutoJudge's search: a mismatch is unimportant when swapping the draft token in "
+        "leaves the task check true), fits a logistic-regression judge on the target's verify "
+        "features, calibrates its threshold on held-out prompts and saves it.",
+    )
+    p_judge.add_argument("--out", required=True, metavar="FILE", help="where to save the judge")
+    p_judge.add_argument(
+        "--model",
+        default="pycode",
+        help="a zoo pair name (default: pycode) or a local Hugging Face model directory",
+    )
+    p_judge.add_argument(
+        "--draft-model", metavar="DIR", default=None, help="draft model (default: the zoo pair's)"
+    )
+    p_judge.add_argument(
+        "--prompts",
+        metavar="FILE",
+        default=None,
+        help='JSON Lines: one string, or one object with a "prompt" string, per line',
+    )
+    p_judge.add_argument(
+        "--humaneval",
+        type=_positive_int,
+        metavar="N",
+        default=None,
+        help="the first N HumanEval prompts",
+    )
+    p_judge.add_argument(
+        "--check",
+        choices=JUDGE_CHECKS,
+        default="python-code",
+        help="the task check: python-code (the same program, comments and docstrings aside; "
+        "default) or final-number (the same last number, as in math answers)",
+    )
+    p_judge.add_argument(
+        "--max-new-tokens", type=_positive_int, default=64, help="response length (default 64)"
+    )
+    p_judge.add_argument(
+        "--recall",
+        type=_top_p,
+        default=0.95,
+        help="fraction of important mismatches the judge must keep rejecting, in (0, 1] "
+        "(default 0.95)",
+    )
+    p_judge.add_argument(
+        "--held-out",
+        type=_fraction_open,
+        default=0.2,
+        help="fraction of the prompts the threshold is calibrated on, in (0, 1) (default 0.2)",
+    )
+    p_judge.add_argument(
+        "-k",
+        type=_positive_int,
+        default=4,
+        help="draft depth of the mining's generations (default 4)",
+    )
+    _add_device_argument(p_judge)
+    p_judge.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads, and the kernels' (default: 1 for a zoo model, else the cores up to 4)",
+    )
+    p_judge.set_defaults(func=_cmd_judge)
 
     p_info = sub.add_parser("info", help="version, backends, CUDA devices, threads")
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")

@@ -36,8 +36,10 @@ says.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import io
 import math
+import re
 import tokenize
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
@@ -55,7 +57,9 @@ __all__ = [
     "TokenJudge",
     "judge_features",
     "mine_important_tokens",
+    "final_number",
     "python_code_tokens",
+    "same_final_number",
     "same_python_code",
 ]
 
@@ -831,3 +835,36 @@ def same_python_code(reference: str, candidate: str, *, coverage: float = 0.75) 
     ref, cand = python_code_tokens(reference), python_code_tokens(candidate)
     n = min(len(ref), len(cand))
     return ref[:n] == cand[:n] and len(cand) >= coverage * len(ref)
+
+
+# ---- a task check for answers --------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> Optional[decimal.Decimal]:
+    """The last number in ``text`` (thousands separators dropped), as GSM8K-style answers end
+    (``... #### 72`` or ``The answer is 72.``); None if there is none.
+
+    Parameters
+    ----------
+    text : str
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected a str, got {type(text).__name__}")
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    return decimal.Decimal(found[-1].replace(",", ""))
+
+
+def same_final_number(reference: str, candidate: str) -> bool:
+    """Whether the two texts end on the same number (``3.50`` equals ``3.5``; two texts without
+    any number are the same answer, none).
+
+    Parameters
+    ----------
+    reference, candidate : str
+        Decoded responses.
+    """
+    return final_number(reference) == final_number(candidate)

@@ -1336,12 +1336,17 @@ SD_HOST_DEVICE void walk_sequence(Ex& ex, const VerifyArgs& a, int64_t b, FinalD
     int32_t form = kFinalNone;  // the draw at this node when no child is accepted
 
     if (greedy) {
+      // The target's own choice first; an allowed child (a judge's) stands in only where no
+      // child is the argmax, so that an allowed sibling never displaces the target's pick.
+      int allowed = -1;
       for (int c = first; c >= 0; c = next_child(parents, node, c, count)) {
-        if ((allow && allow[c]) || tokens[c] == st.argmax) {
+        if (tokens[c] == st.argmax) {
           accepted = c;
           break;
         }
+        if (allowed < 0 && allow && allow[c]) allowed = c;
       }
+      if (accepted < 0) accepted = allowed;
       if (accepted < 0) fd.token = static_cast<int32_t>(st.argmax);
     } else if (first < 0) {
       // A leaf: the bonus token from the target row.
