@@ -553,7 +553,8 @@ def _score(
 class _Search:
     """The semi-greedy search of one prompt: its current response and where the scan stands."""
 
-    def __init__(self, prompt: list[int], reference: list[int]) -> None:
+    def __init__(self, index: int, prompt: list[int], reference: list[int]) -> None:
+        self.index = index  # of the prompt, in the caller's list
         self.prompt = prompt
         self.reference = reference
         self.response = list(reference)
@@ -565,6 +566,16 @@ class _Search:
     @property
     def sequence(self) -> list[int]:
         return self.prompt + self.response
+
+    def settle(self, candidate: list[int], important: bool) -> Mismatch:
+        """Records the verdict on the pending mismatch and moves past it; an unimportant one
+        makes ``candidate`` the current response (whose draft predictions are then stale)."""
+        p, d = self.pending
+        record = Mismatch(self.index, p, self.response[p], d, important)
+        if not important:
+            self.response, self.predictions = candidate, None
+        self.start, self.found, self.pending = p + 1, self.found + 1, None
+        return record
 
 
 @torch.no_grad()
@@ -668,38 +679,17 @@ def mine_important_tokens(
     try:
         for first in range(0, len(rows), batch_size):
             chunk = rows[first : first + batch_size]
-            searches = [
-                _Search(p, r) for p, r in zip(chunk, generate(chunk, [max_new_tokens] * len(chunk)))
-            ]
-            while True:
-                open_ = [s for s in searches if s.start < len(s.response)]
-                _predict(draft, [s for s in open_ if s.predictions is None])
-                for s in open_:
-                    before = s.start
-                    p = _first_mismatch(s)
-                    if p is None or (max_mismatches is not None and s.found >= max_mismatches):
-                        s.start = len(s.response)
-                    else:
-                        s.pending = (p, s.predictions[p])
-                    if bar is not None:
-                        # Settled positions: up to the mismatch, or to the end of max_new_tokens.
-                        settled = max_new_tokens if s.pending is None else s.pending[0]
-                        bar.update(max(settled - before, 0))
-                todo = [s for s in open_ if s.pending is not None]
-                if not todo:
-                    break
+            firsts = generate(chunk, [max_new_tokens] * len(chunk))
+            searches = [_Search(first + i, p, r) for i, (p, r) in enumerate(zip(chunk, firsts))]
+            # Rounds: every open search moves to its next mismatch, and all of them are labelled
+            # with one batched target pass (features) and one batched generation (candidates).
+            while todo := _next_mismatches(draft, searches, max_mismatches, max_new_tokens, bar):
                 feats = _mismatch_features(target, todo)
                 candidates = _candidates(todo, stops, max_new_tokens, generate)
                 for s, f, cand in zip(todo, feats, candidates):
-                    p, d = s.pending
                     important = not bool(equivalent(list(s.prompt), list(s.reference), cand))
-                    records.append(
-                        Mismatch(first + searches.index(s), p, s.response[p], d, important)
-                    )
+                    records.append(s.settle(cand, important))
                     features.append(f)
-                    if not important:
-                        s.response, s.predictions = cand, None
-                    s.start, s.found, s.pending = p + 1, s.found + 1, None
                     if bar is not None:
                         bar.update(1)
             references.extend(s.reference for s in searches)
@@ -713,6 +703,31 @@ def mine_important_tokens(
     stacked = torch.stack(features) if features else torch.zeros((0, 0))
     important = torch.tensor([m.important for m in records], dtype=torch.bool)
     return MinedMismatches(stacked, important, records, references, responses)
+
+
+def _next_mismatches(
+    draft: Any,
+    searches: list[_Search],
+    max_mismatches: Optional[int],
+    max_new_tokens: int,
+    bar: Optional[_Progress],
+) -> list[_Search]:
+    """Sets each open search's ``pending`` to its next mismatch, or closes the search (no
+    mismatch left, or ``max_mismatches`` reached); returns the searches with one."""
+    open_ = [s for s in searches if s.start < len(s.response)]
+    _predict(draft, [s for s in open_ if s.predictions is None])
+    for s in open_:
+        before = s.start
+        p = _first_mismatch(s)
+        if p is None or (max_mismatches is not None and s.found >= max_mismatches):
+            s.start = len(s.response)
+        else:
+            s.pending = (p, s.predictions[p])
+        if bar is not None:
+            # Settled positions: up to the mismatch, or to the end of max_new_tokens.
+            settled = max_new_tokens if s.pending is None else s.pending[0]
+            bar.update(max(settled - before, 0))
+    return [s for s in open_ if s.pending is not None]
 
 
 def _predict(draft: Any, searches: list[_Search]) -> None:
