@@ -9,7 +9,8 @@
 3. **target forward**: one pass of the target over all trees of the batch;
 4. **verify**: :func:`specdecode.ops.verify` walks each tree with the target's logits (and the
    draft probabilities where the drafter sampled) and emits the accepted drafts plus one
-   correction or bonus token;
+   correction or bonus token (with a ``judge``, AutoJudge, the drafts it allows are accepted
+   whatever the rule: :mod:`specdecode.judge`);
 5. **accept**: the target cache keeps only the root-to-accepted-node path (``cache.compact``);
 6. **commit**: emitted tokens are appended, cut at stop tokens and at ``max_new_tokens``;
 7. **update drafters**: the drafter observes the committed tokens (never rejected drafts).
