@@ -104,16 +104,6 @@ def _temperature(text: str) -> float:
     return value
 
 
-def _fraction_open(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
-    return value
-
-
 def _top_p(text: str) -> float:
     try:
         value = float(text)
@@ -1046,6 +1036,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_gen.set_defaults(func=_cmd_generate)
 
+    from .zoo._paths import float_in
+
     p_judge = sub.add_parser(
         "judge",
         help="mine a model pair's mismatches and fit an AutoJudge judge for generate --judge",
@@ -1095,7 +1087,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_judge.add_argument(
         "--held-out",
-        type=_fraction_open,
+        type=float_in(0.0, 1.0, low_open=True),
         default=0.2,
         help="fraction of the prompts the threshold is calibrated on, in (0, 1) (default 0.2)",
     )

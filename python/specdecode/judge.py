@@ -44,7 +44,6 @@ import tokenize
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from .drafters import ModelDrafter
@@ -504,27 +503,6 @@ class MinedMismatches:
         )
 
 
-def _check_prompts(prompts: Any, vocab: int) -> list[list[int]]:
-    if isinstance(prompts, (torch.Tensor, np.ndarray)):
-        prompts = prompts.tolist()
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts: expected a non-empty list of token id lists")
-    rows = []
-    for i, p in enumerate(prompts):
-        row = p.tolist() if isinstance(p, (torch.Tensor, np.ndarray)) else p
-        if isinstance(row, (int, np.integer)) or not isinstance(row, (list, tuple)):
-            raise TypeError("prompts: expected a list of prompts (a list of token id lists)")
-        if not row:
-            raise ValueError(f"prompts: prompt {i} is empty")
-        for t in row:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"prompts: prompt {i} holds {t!r}, expected token ids (int)")
-            if not 0 <= t < vocab:
-                raise ValueError(f"prompts: prompt {i} has token id {t} outside [0, {vocab})")
-        rows.append([int(t) for t in row])
-    return rows
-
-
 def _padded(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """int64 ``[B, max len]``, right-padded with token 0 (harmless for a causal model's outputs at
     the real positions)."""
@@ -643,23 +621,23 @@ def mine_important_tokens(
         )
     if not callable(equivalent):
         raise TypeError(f"equivalent: expected a callable, got {equivalent!r}")
-    rows = _check_prompts(prompts, int(target.vocab_size))
-    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     if max_mismatches is not None:
         max_mismatches = check_positive_int("max_mismatches", max_mismatches)
     batch_size = check_positive_int("batch_size", batch_size)
     draft_k = check_positive_int("draft_k", draft_k)
-    stops = sorted({int(t) for t in (stop_token_ids or ())})
-    limit = min(int(target.max_length), int(draft.max_length))
-    longest = max(len(r) for r in rows)
-    if longest + max_new_tokens > limit:
-        raise ValueError(
-            f"max_new_tokens: the longest prompt ({longest} tokens) plus {max_new_tokens} new "
-            f"tokens exceeds the models' max length {limit}"
-        )
     greedy = SpeculativeDecoder(
         target, ModelDrafter(draft, k=draft_k, sample=False), method="greedy"
     )
+    # The prompts, the length and the stop tokens as the decoder checks a request (the target's
+    # max length); the draft reads whole responses too, so they must fit its max length as well.
+    rows, stop_set = greedy._check_request(prompts, max_new_tokens, stop_token_ids)
+    max_new_tokens, stops = int(max_new_tokens), sorted(stop_set)
+    longest = max(len(r) for r in rows)
+    if longest + max_new_tokens > int(draft.max_length):
+        raise ValueError(
+            f"max_new_tokens: the longest prompt ({longest} tokens) plus {max_new_tokens} new "
+            f"tokens exceeds the draft model's max length {draft.max_length}"
+        )
 
     def generate(prefixes: list[list[int]], new: list[int]) -> list[list[int]]:
         # One call generates max(new) tokens after every prefix; where the longest prefix cannot
