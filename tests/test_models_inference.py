@@ -1113,3 +1113,119 @@ def test_hf_wrapper_passes_the_cache_by_the_models_own_argument():
         step = model.forward(torch.tensor([[4]]), torch.tensor([[3]]), cache)
     assert not [w for w in caught if "past_key_values" in str(w.message)]
     torch.testing.assert_close(step[0, 0], full(torch.tensor([[1, 2, 3, 4]]))[0, -1], **TOL)
+
+
+# ---- steer: vectors added after each layer (steered drafters) ----------------------------------
+
+STEER_V, STEER_H = 61, 64
+
+
+def steer_model() -> Transformer:
+    """A 2-layer model with peaked distributions (random weights of std 0.15)."""
+    config = ModelConfig(
+        vocab_size=STEER_V,
+        hidden_size=STEER_H,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(2)
+    model = Transformer(config)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def test_steer_in_the_cached_forward_matches_the_training_forward():
+    draft_model = steer_model()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, STEER_V, (3, 11), generator=g)
+    per_row = 0.3 * torch.randn(3, 2, STEER_H, generator=g)
+    per_token = 0.3 * torch.randn(3, 11, 2, STEER_H, generator=g)
+    positions = torch.arange(11).expand(3, 11)
+    for steer in (per_row, per_token):
+        expect = draft_model.forward_train(ids, steer=steer)
+        cache = draft_model.new_cache(3, 32)
+        got = draft_model.forward(ids, positions, cache, steer=steer)
+        torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(expect, draft_model.forward_train(ids), atol=1e-3)
+    cache = draft_model.new_cache(3, 32)
+    plain = draft_model.forward(ids, positions, cache)
+    cache = draft_model.new_cache(3, 32)
+    zero = draft_model.forward(ids, positions, cache, steer=torch.zeros(3, 2, STEER_H))
+    assert torch.equal(plain, zero)
+
+
+def test_steer_shapes_the_cached_keys_of_later_layers():
+    """A steered token's K/V in layer 2 differ, so a later unsteered token sees the steering."""
+    draft_model = steer_model()
+    ids = torch.tensor([[5, 9, 13, 2]])
+    positions = torch.arange(4).unsqueeze(0)
+    steer = torch.zeros(1, 4, 2, STEER_H)
+    steer[0, 1, 0] = 0.5  # token 1, after layer 1: the input of layer 2
+    expect = draft_model.forward_train(ids, steer=steer)
+    cache = draft_model.new_cache(1, 8)
+    draft_model.forward(ids[:, :2], positions[:, :2], cache, steer=steer[:, :2])
+    tail = draft_model.forward(ids[:, 2:], positions[:, 2:], cache)
+    torch.testing.assert_close(tail, expect[:, 2:], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(tail, draft_model.forward_train(ids)[:, 2:], atol=1e-3)
+
+
+def test_steer_with_ragged_rows_and_long_chunked_chains():
+    config = ModelConfig(
+        vocab_size=STEER_V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=1100,
+    )
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, STEER_V, (2, 1030), generator=g)
+    steer = 0.2 * torch.randn(2, 1030, 2, 32, generator=g)
+    positions = torch.arange(1030).expand(2, 1030)
+    expect = model.forward_train(ids, steer=steer)
+    cache = model.new_cache(2, 1100)
+    got = model.forward(ids, positions, cache, steer=steer)  # chunks of 1024 and 6
+    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
+    row = steer[:, 0]
+    cache = model.new_cache(2, 1100)
+    got = model.forward(ids, positions, cache, steer=row)
+    torch.testing.assert_close(got, model.forward_train(ids, steer=row), rtol=1e-4, atol=1e-4)
+    # Ragged rows: row 1 holds 3 real tokens; its real logits are those of a 3-token pass.
+    cache = model.new_cache(2, 16)
+    short = ids[:, :5]
+    got = model.forward(
+        short, positions[:, :5], cache, steer=steer[:, :5], num_nodes=torch.tensor([5, 3])
+    )
+    torch.testing.assert_close(
+        got[1, :3], model.forward_train(short[1:, :3], steer=steer[1:, :3])[0], atol=1e-4, rtol=1e-4
+    )
+    assert torch.count_nonzero(got[1, 3:]) == 0
+
+
+def test_steer_rejects_bad_input():
+    draft_model = steer_model()
+    ids = torch.zeros((2, 3), dtype=torch.int64)
+    positions = torch.arange(3).expand(2, 3)
+    for steer, match in (
+        (torch.zeros(2, 3, STEER_H), "expected shape"),
+        (torch.zeros(2, 3, 2, STEER_H + 1), "expected shape"),
+        (torch.full((2, 2, STEER_H), float("nan")), "non-finite"),
+        (torch.zeros(2, 2, STEER_H, dtype=torch.int64), "floating"),
+        ([[0.0]], "torch.Tensor"),
+    ):
+        cache = draft_model.new_cache(2, 8)
+        with pytest.raises((TypeError, ValueError), match=match):
+            draft_model.forward(ids, positions, cache, steer=steer)
+        assert cache.lengths.tolist() == [0, 0]  # nothing written
+        with pytest.raises((TypeError, ValueError), match=match):
+            draft_model.forward_train(ids, steer=steer)

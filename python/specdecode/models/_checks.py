@@ -199,6 +199,31 @@ def check_accepted_path(
         )
 
 
+def check_steer(
+    steer: Optional[Any], batch: int, t: int, num_layers: int, hidden: int, device: torch.device
+) -> Optional[torch.Tensor]:
+    """Validates a forward pass's ``steer`` (vectors added to the residual stream after each
+    layer): floating ``[B, L, H]`` (one per row, every token) or ``[B, T, L, H]`` (one per
+    token), finite, on the model's device. Returns it as ``[B, 1 or T, L, H]``, or None."""
+    if steer is None:
+        return None
+    if not isinstance(steer, torch.Tensor):
+        raise TypeError(f"steer: expected a torch.Tensor, got {type(steer).__name__}")
+    if not steer.dtype.is_floating_point:
+        raise TypeError(f"steer: expected a floating dtype, got {steer.dtype}")
+    if steer.device != device:
+        raise ValueError(f"steer: on {steer.device}, the model on {device}")
+    shapes = ([batch, num_layers, hidden], [batch, t, num_layers, hidden])
+    if list(steer.shape) not in shapes:
+        raise ValueError(
+            f"steer: expected shape {shapes[0]} (per row) or {shapes[1]} (per token), "
+            f"got {list(steer.shape)}"
+        )
+    if not bool(torch.isfinite(steer).all()):
+        raise ValueError("steer: holds a non-finite value")
+    return steer.unsqueeze(1) if steer.dim() == 3 else steer
+
+
 def check_hidden_indices(output_hidden: Optional[Sequence[int]], num_layers: int) -> list[int]:
     """Normalises hidden-state indices to ``0..L`` (negative ones count from ``L + 1``)."""
     if output_hidden is None:

@@ -138,3 +138,13 @@ def accepts_num_nodes(model: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return "num_nodes" in params
+
+
+def accepts_steer(model: Any) -> bool:
+    """Whether ``model.forward`` takes ``steer=`` (vectors added after each layer, as
+    :meth:`specdecode.models.Transformer.forward` does): what a steered drafter needs."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "steer" in params

@@ -34,6 +34,7 @@ from ._checks import (
     check_hidden_indices,
     check_num_nodes,
     check_positive_int,
+    check_steer,
     check_tokens,
     check_tree_mask,
 )
@@ -587,6 +588,16 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
+def _chunk_steer(steer: Optional[torch.Tensor], start: int, step: int) -> Optional[torch.Tensor]:
+    """The part of a checked ``steer`` (``[B, 1 or T, L, H]``) that tokens
+    ``[start, start + step)`` take, in a shape :meth:`Transformer.forward` accepts."""
+    if steer is None:
+        return None
+    if steer.shape[1] == 1:  # one vector per row serves every chunk
+        return steer[:, 0]
+    return steer[:, start : start + step]
+
+
 class Transformer(nn.Module):
     """Llama / Qwen2 / Qwen3 / Mistral / Phi-3 style decoder (RMSNorm, RoPE, SwiGLU, GQA), dense
     or with mixture-of-experts MLPs (Qwen3-MoE, Mixtral).
@@ -697,6 +708,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor,
         attend: _AttentionFn,
         hidden_indices: Sequence[int] = (),
+        steer: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self._rope(positions, x.dtype)
@@ -707,6 +719,8 @@ class Transformer(nn.Module):
         last = len(self.model.layers)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, attend, i)
+            if steer is not None:  # [B, 1 or T, L, H]: after the layer's MLP, as the cache path
+                x = x + steer[:, :, i].to(x.dtype)
             if i + 1 in wanted and i + 1 < last:
                 hidden[i + 1] = x
         x = self.model.norm(x)
@@ -718,7 +732,9 @@ class Transformer(nn.Module):
 
     # ---- training path -----------------------------------------------------------------------
 
-    def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_train(
+        self, input_ids: torch.Tensor, steer: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Causal LM over whole sequences (differentiable; no cache).
 
         Parameters
@@ -726,6 +742,11 @@ class Transformer(nn.Module):
         input_ids : torch.Tensor
             integer ``[B, T]``, ids in ``[0, vocab_size)``, ``1 <= T <= max_length``; token
             ``t`` sits at position ``t``.
+        steer : torch.Tensor, optional
+            floating ``[B, L, hidden_size]`` or ``[B, T, L, hidden_size]`` (``L`` =
+            ``num_hidden_layers``): vectors added to the residual stream after each layer (its
+            MLP's output), one per row or one per token, as :meth:`forward` takes them
+            (:mod:`specdecode.steering`). Gradients flow into it.
 
         Returns
         -------
@@ -746,6 +767,14 @@ class Transformer(nn.Module):
         input_ids, positions = check_tokens(
             input_ids, positions, self.vocab_size, input_ids.shape[0], self.device
         )
+        steer = check_steer(
+            steer,
+            input_ids.shape[0],
+            t,
+            self.config.num_hidden_layers,
+            self.config.hidden_size,
+            self.device,
+        )
         groups = self.config.num_groups
 
         def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -755,7 +784,7 @@ class Transformer(nn.Module):
             )
             return out.transpose(1, 2)
 
-        logits, _ = self._run(input_ids, positions, attend)
+        logits, _ = self._run(input_ids, positions, attend, steer=steer)
         return logits
 
     # ---- inference path ----------------------------------------------------------------------
@@ -825,6 +854,7 @@ class Transformer(nn.Module):
         output_hidden: Optional[Sequence[int]] = None,
         *,
         num_nodes: Optional[torch.Tensor] = None,
+        steer: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         """Scores ``T`` new tokens per row over the cache and appends their K/V to it.
 
@@ -856,6 +886,13 @@ class Transformer(nn.Module):
             ``tree_info`` mask and of a causal chain, where padding comes last). Every matrix
             product then runs over the real tokens only, so rows of different sizes cost what
             they hold, not ``B * T``. None: every token is real.
+        steer : torch.Tensor, optional
+            floating ``[B, L, hidden_size]`` (one vector per row, for all its tokens) or
+            ``[B, T, L, hidden_size]`` (one per token), ``L`` = ``num_hidden_layers``, on the
+            model's device: ``steer[b, ..., i]`` is added to the residual stream after layer
+            ``i`` (to its MLP's output), so it also shapes the K/V of later layers that the cache
+            keeps. A steered drafter's vectors (:mod:`specdecode.steering`); zeros change
+            nothing. None: no steering.
 
         Returns
         -------
@@ -897,12 +934,20 @@ class Transformer(nn.Module):
                 )
         wanted = check_hidden_indices(output_hidden, self.config.num_hidden_layers)
         real = check_num_nodes(num_nodes, batch, t)
+        steer = check_steer(
+            steer,
+            batch,
+            t,
+            self.config.num_hidden_layers,
+            self.config.hidden_size,
+            self.device,
+        )
         slots = cache._begin(t)
         if tree_mask is None and t > ops.MAX_TREE_NODES:
-            return self._forward_chunked(input_ids, positions, cache, output_hidden, real)
+            return self._forward_chunked(input_ids, positions, cache, output_hidden, real, steer)
         with torch.no_grad():
             logits, hidden = self._run_cached(
-                input_ids, positions, cache, slots, tree_mask, wanted, real
+                input_ids, positions, cache, slots, tree_mask, wanted, real, steer
             )
         cache._commit(t, tree_mask, real)
         if output_hidden is None:
@@ -918,6 +963,7 @@ class Transformer(nn.Module):
         tree_mask: Optional[torch.Tensor],
         wanted: Sequence[int],
         real: Optional[torch.Tensor] = None,
+        steer: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The inference forward over validated input: :meth:`_run`'s arithmetic on the fused
         weights of :class:`_InferenceWeights`, with as few tensor ops per layer as possible
@@ -925,7 +971,8 @@ class Transformer(nn.Module):
 
         ``real`` (int64 ``[B]``, from :func:`check_num_nodes`): real tokens per row; the
         token-wise work (embedding, norms, projections, MLP, head) then runs over the packed
-        real tokens only, and only attention sees the padded ``[B, T]`` layout."""
+        real tokens only, and only attention sees the padded ``[B, T]`` layout. ``steer``
+        (``[B, 1 or T, L, H]``, from :func:`check_steer`) is added after each layer."""
         cfg = self.config
         fast = self._inference_weights()
         batch, t = input_ids.shape
@@ -980,6 +1027,10 @@ class Transformer(nn.Module):
         q_full = None
         if sel is not None:
             q_full = torch.zeros((n, hq, d), dtype=x.dtype, device=x.device)
+        if steer is not None:  # one [L, H] block per token row, packed as x is
+            steer = steer.to(x.dtype).expand(batch, t, -1, -1).reshape(n, *steer.shape[2:])
+            if sel is not None:
+                steer = steer.index_select(0, sel)
         wanted_set = set(wanted)
         hidden: dict[int, torch.Tensor] = {}
         if 0 in wanted_set:
@@ -1049,6 +1100,8 @@ class Transformer(nn.Module):
                 gate_up = _mm_rows(_rms_norm(x, w.ln2, eps), w.gate_up_t, w.gate_up_p)
                 m = gate_up.shape[1] // 2
                 x = x + torch.mm(F.silu(gate_up[:, :m]) * gate_up[:, m:], w.down_t)
+            if steer is not None:
+                x = x + steer[:, i]
             if i + 1 in wanted_set and i + 1 < last:
                 hidden[i + 1] = x
         x = _rms_norm(x, fast.norm, eps)
@@ -1066,6 +1119,7 @@ class Transformer(nn.Module):
         cache: KVCache,
         output_hidden: Optional[Sequence[int]],
         real: Optional[torch.Tensor] = None,
+        steer: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         """A causal chain longer than tree_attention's 1024 query rows, in consecutive chunks.
 
@@ -1089,6 +1143,7 @@ class Transformer(nn.Module):
                         cache,
                         output_hidden=output_hidden,
                         num_nodes=None if real is None else (real - i).clamp(0, chunk.shape[1]),
+                        steer=_chunk_steer(steer, i, step),
                     )
                 )
         except BaseException:
