@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import ops
-from .models.protocol import accepts_num_nodes
+from .models.protocol import accepts_num_nodes, accepts_steer
 from .ops import DraftTree, NGramCache, tree_info
 
 __all__ = [
@@ -391,6 +391,32 @@ class NoDrafter:
 _DRAFT_SEED_STEP = 0x9E3779B97F4A7C15
 
 
+def _check_steering(steering: Any, model: Any) -> Any:
+    """``steering`` for ``model`` (a DraftSteering sized for it, whose forward takes ``steer``)
+    or None."""
+    if steering is None:
+        return None
+    from .steering import DraftSteering
+
+    if not isinstance(steering, DraftSteering):
+        raise TypeError(
+            f"steering: expected a specdecode.steering.DraftSteering, got {type(steering).__name__}"
+        )
+    if not accepts_steer(model):
+        raise TypeError(
+            "steering: the draft model's forward takes no steer= (a steered drafter needs "
+            "specdecode.models.Transformer or a model with the same extension)"
+        )
+    config = getattr(model, "config", None)
+    sizes = (getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None))
+    if sizes != (steering.draft_layers, steering.draft_hidden_size):
+        raise ValueError(
+            f"steering: made for a draft model of {steering.draft_layers} layers x "
+            f"{steering.draft_hidden_size} hidden, this one has {sizes[0]} x {sizes[1]}"
+        )
+    return steering.to(model.device).eval()
+
+
 def _top_probability(logits: torch.Tensor) -> torch.Tensor:
     """The largest softmax probability of each row of float logits ``[B, V]`` -> ``[B]``; rows
     with a non-finite logit give NaN, which compares below every floor."""
@@ -446,6 +472,13 @@ class ModelDrafter:
         Tree mode: a child joins the pool only if its probability given its parent is at least
         ``stop_below``. The passes stop once no sequence has a node left to extend. None (the
         default) drafts ``k`` tokens / depths whatever the confidence.
+    steering : specdecode.steering.DraftSteering, optional
+        Steers the draft model with the target's hidden states (SD²): the engine asks the target
+        for the states at :attr:`target_hidden` in each verify pass and hands those of each
+        row's last accepted node to :meth:`steer`; every token the draft model feeds in the next
+        round takes the resulting vectors. The model's forward must take ``steer=`` (as
+        :class:`~specdecode.models.Transformer`'s does) and have the map's draft sizes. A slot
+        not yet steered (a one-token prompt) drafts unsteered.
 
     Notes
     -----
@@ -468,6 +501,7 @@ class ModelDrafter:
         max_nodes: int = 16,
         max_length: Optional[int] = None,
         stop_below: Optional[float] = None,
+        steering: Any = None,
     ) -> None:
         for attr in ("forward", "new_cache", "vocab_size", "max_length", "device"):
             if not hasattr(model, attr):
@@ -496,6 +530,8 @@ class ModelDrafter:
             stop_below = float(stop_below)
         self.stop_below = stop_below
         self.model = model
+        self.steering = _check_steering(steering, model)
+        self._steer: dict[int, torch.Tensor] = {}  # per open slot: [L, H] for its next round
         # Whether the model's forward skips padding (num_nodes): then the rows a pass does not
         # feed, and the padding of shorter rows, cost it nothing (_forward_rows).
         self._ragged = accepts_num_nodes(model)
@@ -526,6 +562,39 @@ class ModelDrafter:
     @property
     def max_sequences(self) -> int:
         return 1 << 20 if self.cache is None or not self._seq else self.cache.batch_size
+
+    @property
+    def target_hidden(self) -> Optional[tuple[int, ...]]:
+        """The target's hidden-state indices :meth:`steer` reads (None: not steered)."""
+        return None if self.steering is None else tuple(self.steering.target_layers)
+
+    def steer(self, slots: Sequence[int], hidden: Sequence[torch.Tensor]) -> None:
+        """Sets each slot's steering for its next round from the target's states.
+
+        Parameters
+        ----------
+        slots : sequence of int
+            Open slots, ``n`` of them.
+        hidden : sequence of torch.Tensor
+            One floating ``[n, Ht]`` tensor per index of :attr:`target_hidden`, in that order:
+            row ``i`` holds the target's state at slot ``slots[i]``'s last accepted node (the
+            node whose distribution gave its newest committed token).
+        """
+        if self.steering is None:
+            raise ValueError("steer: this drafter has no steering (ModelDrafter(steering=...))")
+        slots_l = [int(s) for s in slots]
+        for slot in slots_l:
+            if slot not in self._seq:
+                raise ValueError(f"slots: slot {slot} is not open (call start first)")
+        if any(h.dim() != 2 or h.shape[0] != len(slots_l) for h in hidden):
+            raise ValueError(
+                f"hidden: expected [{len(slots_l)}, Ht] per target layer, got "
+                f"{[list(h.shape) for h in hidden]}"
+            )
+        with torch.no_grad():
+            vectors = self.steering(hidden).to(self.model.device, self.model.dtype)
+        for i, slot in enumerate(slots_l):
+            self._steer[slot] = vectors[i]
 
     # ---- protocol ------------------------------------------------------------------------------
 
@@ -559,6 +628,7 @@ class ModelDrafter:
             self._fed[slot] = []
             self._temperature[slot], self._top_k[slot], self._top_p[slot] = 0.0, 0, 1.0
             self._seed[slot] = 0
+            self._steer.pop(slot, None)
             lengths[slot] = 0
         self.cache.truncate(lengths)
 
@@ -607,6 +677,7 @@ class ModelDrafter:
             if self._seq.pop(slot, None) is None:
                 raise ValueError(f"slots: slot {slot} is not open")
             del self._fed[slot]
+            self._steer.pop(slot, None)
             if lengths is not None:
                 lengths[slot] = 0
         if lengths is not None:
@@ -667,6 +738,15 @@ class ModelDrafter:
             real[slots] = torch.tensor([len(r) for r in rows], dtype=torch.int64)
             extra["num_nodes"] = real
         device = self.model.device
+        steered = [i for i, s in enumerate(slots) if s in self._steer]
+        if steered:
+            # The round rule (specdecode.steering): every token fed this round takes its
+            # slot's vectors; rows not fed, or not steered yet, take zeros (no steering).
+            first = self._steer[slots[steered[0]]]
+            steer = torch.zeros((total, *first.shape), dtype=first.dtype, device=device)
+            for i in steered:
+                steer[slots[i]] = self._steer[slots[i]]
+            extra["steer"] = steer
         logits = self.model.forward(
             ids.to(device),
             pos.to(device),
@@ -982,6 +1062,8 @@ class CombinedDrafter:
                     raise TypeError(f"{name}: expected a Drafter, it has no {attr}() method")
         if primary is fallback:
             raise ValueError("primary and fallback: expected two different drafters")
+        if all(getattr(d, "target_hidden", None) for d in (primary, fallback)):
+            raise ValueError("primary and fallback: at most one of them may be steered")
         if isinstance(min_drafts, bool) or not isinstance(min_drafts, int):
             raise TypeError(f"min_drafts: expected an int, got {type(min_drafts).__name__}")
         if min_drafts < 1:
@@ -1047,6 +1129,25 @@ class CombinedDrafter:
             configure = getattr(drafter, "configure", None)
             if callable(configure):
                 configure(slots, **sampling)
+
+    def _steered(self) -> Any:
+        """The part that reads the target's hidden states (at most one may), or None."""
+        parts = [d for d in (self.primary, self.fallback) if getattr(d, "target_hidden", None)]
+        return parts[0] if parts else None
+
+    @property
+    def target_hidden(self) -> Optional[tuple[int, ...]]:
+        """The target's hidden-state indices a steered part reads (None: no steered part)."""
+        part = self._steered()
+        return None if part is None else part.target_hidden
+
+    def steer(self, slots: Sequence[int], hidden: Sequence[torch.Tensor]) -> None:
+        """Hands the target's states to the steered part (``ModelDrafter.steer``): it is steered
+        on every step, also those where the other part's tree is taken."""
+        part = self._steered()
+        if part is None:
+            raise ValueError("steer: neither part of this drafter is steered")
+        part.steer(slots, hidden)
 
     def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
         """Hands the committed tokens to both drafters."""

@@ -955,7 +955,11 @@ class SpeculativeDecoder:
         :class:`~specdecode.models.HFCausalLM` or any :class:`~specdecode.models.CausalLM`).
     drafter : Drafter, optional
         Proposes draft trees (:mod:`specdecode.drafters`); default :class:`NoDrafter` (plain
-        autoregressive decoding through the same loop).
+        autoregressive decoding through the same loop). A steered drafter (one that names
+        ``target_hidden`` layers and has ``steer(slots, hidden)``, as a
+        :class:`~specdecode.drafters.ModelDrafter` with ``steering=``) gets the target's states
+        at those layers: after the prefill, at each prompt's last prefilled position, and after
+        every verify pass, at each running row's last accepted node (:mod:`specdecode.steering`).
     method : str
         Verification rule of :func:`specdecode.ops.verify`: ``"exact"`` (lossless, default),
         ``"greedy"``, or the lossy ``"typical"``, ``"relaxed"``, ``"topk_accept"``. Sequences with
@@ -1036,6 +1040,7 @@ class SpeculativeDecoder:
         self.max_nodes = max_nodes
         self.progress = bool(progress)
         self.verify_options = verify_options
+        self._steer_layers = _steer_layers(drafter, target)
         # A target that skips padding tokens (num_nodes=) does no work for the unused nodes of
         # short drafts and of finished rows.
         self._ragged = accepts_num_nodes(target)
@@ -1237,7 +1242,7 @@ class SpeculativeDecoder:
         cache = self.target.new_cache(batch, size)
         width = max(state.prompt_lens) - 1
         if width == 0:
-            return cache
+            return cache  # one-token prompts: a steered drafter's first round is unsteered
         device = self.target.device
         ids = torch.zeros((batch, width), dtype=torch.int64)
         for b, row in enumerate(state.tokens):
@@ -1247,7 +1252,23 @@ class SpeculativeDecoder:
         if self._ragged:
             # Shorter prompts' padding is not computed (a causal chain's padding comes last).
             extra["num_nodes"] = torch.tensor([n - 1 for n in state.prompt_lens])
-        self.target.forward(ids.to(device), positions.to(device), cache, **extra)
+        if self._steer_layers is None:
+            self.target.forward(ids.to(device), positions.to(device), cache, **extra)
+        else:
+            _, hidden = self.target.forward(
+                ids.to(device),
+                positions.to(device),
+                cache,
+                output_hidden=list(self._steer_layers),
+                **extra,
+            )
+            # Each prompt's first round is steered from its last prefilled position (the one
+            # whose distribution gave the first root); one-token prompts have none.
+            rows = [b for b, n in enumerate(state.prompt_lens) if n >= 2]
+            if rows:
+                at = torch.tensor([state.prompt_lens[b] - 2 for b in rows], device=device)
+                pick = torch.tensor(rows, device=device)
+                self.drafter.steer(rows, [h[pick, at] for h in hidden])
         cache.truncate([n - 1 for n in state.prompt_lens])
         return cache
 
@@ -1300,20 +1321,25 @@ class SpeculativeDecoder:
             real[idx] = tree.num_nodes[idx]
             extra["num_nodes"] = real
         tf = time.perf_counter()
-        if self.judge is None:
+        # Hidden states asked of the target: the judge's last one, then a steered drafter's.
+        wanted = ([-1] if self.judge is not None else []) + list(self._steer_layers or ())
+        hidden: tuple[torch.Tensor, ...] = ()
+        if not wanted:
             logits = self.target.forward(tokens, positions, cache, tree_mask=mask, **extra)
         else:
-            logits, (hidden,) = self.target.forward(
-                tokens, positions, cache, tree_mask=mask, output_hidden=[-1], **extra
+            logits, hidden = self.target.forward(
+                tokens, positions, cache, tree_mask=mask, output_hidden=wanted, **extra
             )
         forward_time = time.perf_counter() - tf
-        allow = None if self.judge is None else self._judge(tree, hidden, logits)
+        allow = None if self.judge is None else self._judge(tree, hidden[0], logits)
         result = self._verify(state, tree, logits, allow)
         if allow is not None:
             stats.judge_accepted += _judged(tree, logits, result, idx)
         t2 = time.perf_counter()
         counts = self._accept(state, cache, result, act)
         committed = self._commit(state, result, act, counts, stops)
+        if self._steer_layers is not None:
+            self._steer_drafter(state, act, result, hidden[1 if self.judge is not None else 0 :])
         self._update_drafter(state, active, committed)
         depths = tree.depth[idx].max(dim=1).values
         if isinstance(self.budget, AdaptiveBudget):
@@ -1611,6 +1637,25 @@ class SpeculativeDecoder:
             committed.append(row)
         return committed
 
+    def _steer_drafter(
+        self,
+        state: _Batch,
+        act: list[int],
+        result: ops.VerifyResult,
+        hidden: Sequence[torch.Tensor],
+    ) -> None:
+        """Hands a steered drafter the target's states at each running row's last accepted node
+        (cache positions ``act``; the root when nothing was accepted): the node whose
+        distribution gave the row's bonus or correction token, the next round's root."""
+        rows = [i for i in act if not state.done[state.rows[i]]]
+        if not rows:
+            return
+        device = hidden[0].device
+        index = torch.tensor(rows, dtype=torch.int64, device=result.path.device)
+        nodes = result.path[index, result.num_accepted[index].long()].to(device, torch.int64)
+        pick = index.to(device)
+        self.drafter.steer([state.rows[i] for i in rows], [h[pick, nodes] for h in hidden])
+
     def _update_drafter(self, state: _Batch, active: list[int], committed: list[list[int]]) -> None:
         running = [i for i, b in enumerate(active) if not state.done[b]]
         if running:
@@ -1621,6 +1666,34 @@ class SpeculativeDecoder:
         finished = [b for b in active if state.done[b]]
         if finished:
             self.drafter.release(finished)
+
+
+def _steer_layers(drafter: Any, target: Any) -> Optional[tuple[int, ...]]:
+    """The target's hidden-state indices a steered drafter reads (its ``target_hidden``), checked
+    against the target; None for a drafter that is not steered."""
+    layers = getattr(drafter, "target_hidden", None)
+    if layers is None:
+        return None
+    if not callable(getattr(drafter, "steer", None)):
+        raise TypeError("drafter: it names target_hidden layers but has no steer() method")
+    layers = tuple(layers)
+    if not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+        raise TypeError(f"drafter: target_hidden must be a non-empty tuple of ints, got {layers}")
+    count = getattr(target, "num_hidden_layers", None)
+    if count is not None and any(not -(count + 1) <= i <= count for i in layers):
+        raise ValueError(
+            f"drafter: its steering reads target hidden states {layers}, the target has "
+            f"indices 0 .. {count} (layers + the final norm); was it made for another target?"
+        )
+    steering = getattr(drafter, "steering", None)
+    wants = getattr(steering, "target_hidden_size", None)
+    has = getattr(getattr(target, "config", None), "hidden_size", None)
+    if wants is not None and has is not None and int(wants) != int(has):
+        raise ValueError(
+            f"drafter: its steering reads target states of size {wants}, the target's hidden "
+            f"size is {has}; was it made for another target?"
+        )
+    return layers
 
 
 def _judged(tree: _Tree, logits: torch.Tensor, result: ops.VerifyResult, rows: torch.Tensor) -> int:
