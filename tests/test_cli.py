@@ -114,12 +114,13 @@ def test_demo_prints_code_table_and_identical():
     rows = {
         line.split("  ")[0].strip(): line.split()
         for line in out.splitlines()
-        if line.startswith(("autoregressive", "Cacheback", "draft model ("))
+        if line.startswith(("autoregressive", "Cacheback", "draft model (", "steered draft"))
     }
     assert set(rows) == {
         "autoregressive",
         "Cacheback",
         "draft model (chain, k=3)",
+        "steered draft model (chain, k=3)",
         "draft model (tree, k=3)",
         "Cacheback + draft model (chain, k=3)",
     }
@@ -641,3 +642,61 @@ def test_judge_command_explains_a_one_sided_mining(tmp_path, capsys):
     code, _, err = run_main([*argv, "--check", "final-number", "--max-new-tokens", "6"], capsys)
     line = _one_clean_line(code, err.splitlines()[-1])
     assert "cannot fit a judge on" in line and "both classes" in line
+
+
+# ---- steer ---------------------------------------------------------------------------------------
+
+
+@requires_pycode
+def test_steer_command_trains_saves_and_generate_uses_the_map(tmp_path, capsys):
+    from specdecode.steering import DraftSteering
+
+    text = tmp_path / "code.py"
+    text.write_text(Path(shutil.__file__).read_text(encoding="utf-8"), encoding="utf-8")
+    out = tmp_path / "pycode.steer"
+    argv = ["steer", "--out", str(out), "--text", str(text), "--seq-len", "64"]
+    argv += ["--steps", "3", "--batch-size", "2", "--held-out-windows", "2", "--dtype", "float16"]
+    code, printed, err = run_main([*argv, "--threads", "1"], capsys)
+    assert code == 0, err
+    steering = DraftSteering.load(out)
+    assert steering.target_layers == (2, 4, 6) and steering.draft_layers == 2
+    assert "held out: KL(target || draft)" in printed and f"saved to {out}" in printed
+    assert "training windows" in err
+    gen = ["generate", PROMPT, "--drafter", "model", "--max-new-tokens", "8", "--no-echo"]
+    code, plain, _ = run_main([*gen, "--threads", "1"], capsys)
+    assert code == 0
+    for spec in (str(out), "pycode"):  # a saved map, and the pair's shipped one
+        code, steered, err = run_main([*gen, "--steering", spec, "--threads", "1"], capsys)
+        assert code == 0, err
+        assert steered == plain  # greedy and lossless: the same text
+
+
+@requires_pycode
+def test_steering_option_errors(tmp_path, capsys):
+    gen = ["generate", PROMPT, "--max-new-tokens", "4"]
+    code, _, err = run_main([*gen, "--drafter", "cacheback", "--steering", "pycode"], capsys)
+    assert code == 2 and "--steering: not used by --drafter cacheback" in err
+    missing = str(tmp_path / "none.steer")
+    code, _, err = run_main([*gen, "--drafter", "model", "--steering", missing], capsys)
+    assert code == 2 and "--steering: path: no steering file" in err
+    (tmp_path / "junk").write_bytes(b"junk")
+    code, _, err = run_main(
+        [*gen, "--drafter", "model", "--steering", str(tmp_path / "junk")], capsys
+    )
+    assert code == 2 and "not a safetensors file" in err
+    from specdecode.steering import DraftSteering
+
+    DraftSteering(256, (2, 4, 6), 128, 3).save(tmp_path / "other")  # a 3-layer draft's map
+    code, _, err = run_main(
+        [*gen, "--drafter", "model", "--steering", str(tmp_path / "other")], capsys
+    )
+    assert code == 2 and "--steering: steering: made for a draft model of 3 layers" in err
+    code, _, err = run_main(["steer", "--out", str(tmp_path / "s"), "--seq-len", "4096"], capsys)
+    assert code == 2 and "--seq-len: 4096 exceeds" in err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("x", encoding="utf-8")
+    argv = ["steer", "--out", str(tmp_path / "s"), "--text", str(empty), "--seq-len", "64"]
+    code, _, err = run_main(argv, capsys)
+    assert code == 2 and "fewer than one window" in err
+    code, _, err = run_main(["steer", "--out", str(tmp_path / "s"), "--text", "nope.txt"], capsys)
+    assert code == 2 and "--text: nope.txt is not a file" in err

@@ -1,4 +1,4 @@
-"""The ``specdecode`` command line: ``demo``, ``generate`` and ``info``.
+"""The ``specdecode`` command line: ``demo``, ``generate``, ``judge``, ``steer`` and ``info``.
 
 * ``specdecode demo`` decodes a few Python prompts with the bundled ``pycode`` pair (target and
   draft of :mod:`specdecode.zoo`) with every drafter, prints the generated code and a table of
@@ -7,6 +7,8 @@
 * ``specdecode generate PROMPT`` decodes one prompt with a zoo pair or a local Hugging Face model
   directory and a chosen drafter, streaming text to stdout as tokens are accepted and printing
   the statistics on stderr.
+* ``specdecode judge`` fits an AutoJudge judge for ``generate --judge``;
+  ``specdecode steer`` trains an SD² steering map for ``generate --steering``.
 * ``specdecode info`` reports the version, backends and devices.
 
 User errors (a missing model directory, an unknown zoo name or drafter, an empty prompt or one too
@@ -281,9 +283,10 @@ def make_drafter(
     draft_dir: Optional[str],
     k: int,
     stop_below: Optional[float] = None,
+    steering: Any = None,
 ) -> Any:
     """The drafter named by ``--drafter`` for one sequence; ``stop_below`` is the draft model's
-    confidence floor (:class:`~specdecode.drafters.ModelDrafter`).
+    confidence floor and ``steering`` its SD² map (:class:`~specdecode.drafters.ModelDrafter`).
 
     Raises
     ------
@@ -295,7 +298,7 @@ def make_drafter(
 
     if kind not in DRAFTERS:
         raise CLIError(f"--drafter: unknown drafter {kind!r} (choose from {', '.join(DRAFTERS)})")
-    _check_draft_model_option(kind, draft_dir, stop_below)
+    _check_draft_model_option(kind, draft_dir, stop_below, steering)
     if kind == "none":
         return NoDrafter()
     if kind == "cacheback":
@@ -314,21 +317,35 @@ def make_drafter(
             f"--draft-model: its vocabulary has {draft.vocab_size} tokens, the target's "
             f"{loaded.target.vocab_size}; draft and target must share one vocabulary"
         )
-    if kind == "model":
-        return ModelDrafter(draft, mode="chain", k=k, stop_below=stop_below)
-    if kind == "combined":
-        return combined_drafter(draft, k, stop_below)
-    return ModelDrafter(
-        draft, mode="tree", k=k, branch=2, beam=4, max_nodes=16, stop_below=stop_below
-    )
+    try:
+        if kind == "model":
+            return ModelDrafter(draft, mode="chain", k=k, stop_below=stop_below, steering=steering)
+        if kind == "combined":
+            return combined_drafter(draft, k, stop_below, steering)
+        return ModelDrafter(
+            draft,
+            mode="tree",
+            k=k,
+            branch=2,
+            beam=4,
+            max_nodes=16,
+            stop_below=stop_below,
+            steering=steering,
+        )
+    except (TypeError, ValueError) as exc:  # a steering map made for another draft model
+        raise CLIError(f"--steering: {exc}") from None
 
 
 def _check_draft_model_option(
-    kind: str, draft_dir: Optional[str], stop_below: Optional[float] = None
+    kind: str, draft_dir: Optional[str], stop_below: Optional[float] = None, steering: Any = None
 ) -> None:
-    """``--draft-model`` and ``--stop-below`` only with a drafter that runs a draft model:
-    ignoring them would decode with another method than the user asked for."""
-    for option, value in (("--draft-model", draft_dir), ("--stop-below", stop_below)):
+    """``--draft-model``, ``--stop-below`` and ``--steering`` only with a drafter that runs a
+    draft model: ignoring them would decode with another method than the user asked for."""
+    for option, value in (
+        ("--draft-model", draft_dir),
+        ("--stop-below", stop_below),
+        ("--steering", steering),
+    ):
         if value is not None and kind not in MODEL_DRAFTERS:
             raise CLIError(
                 f"{option}: not used by --drafter {kind} (only by --drafter "
@@ -336,15 +353,34 @@ def _check_draft_model_option(
             )
 
 
-def combined_drafter(draft: Any, k: int, stop_below: Optional[float] = None) -> Any:
+def combined_drafter(
+    draft: Any, k: int, stop_below: Optional[float] = None, steering: Any = None
+) -> Any:
     """Cacheback first (its tree wherever the n-gram tables have a draft), the draft model's
     chain of ``k`` tokens where they have none: ``--drafter combined`` and the demo's row."""
     from .drafters import CachebackDrafter, CombinedDrafter, ModelDrafter
 
     return CombinedDrafter(
         CachebackDrafter(max_sequences=1),
-        ModelDrafter(draft, mode="chain", k=k, stop_below=stop_below),
+        ModelDrafter(draft, mode="chain", k=k, stop_below=stop_below, steering=steering),
     )
+
+
+def _load_steering(spec: Optional[str]) -> Any:
+    """``--steering``: a zoo pair's shipped map (its name) or a file saved by
+    :meth:`specdecode.steering.DraftSteering.save`; None without the option."""
+    if spec is None:
+        return None
+    from .steering import DraftSteering
+
+    try:
+        if not _looks_like_path(spec) and spec in _zoo_names():
+            from . import zoo
+
+            return zoo.load_steering(spec)
+        return DraftSteering.load(Path(spec).expanduser())
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(f"--steering: {exc}") from None
 
 
 def _set_threads(threads: Optional[int], small_model: bool) -> int:
@@ -418,7 +454,7 @@ def _read_prompt(spec: str) -> str:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.drafter not in DRAFTERS:  # argparse checks choices; kept for direct callers
         raise CLIError(f"--drafter: unknown drafter {args.drafter!r}")
-    _check_draft_model_option(args.drafter, args.draft_model, args.stop_below)
+    _check_draft_model_option(args.drafter, args.draft_model, args.stop_below, args.steering)
     prompt = _read_prompt(args.prompt)
     threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
     device = _device_option(args.device)
@@ -437,7 +473,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"PROMPT: {len(ids)} tokens plus --max-new-tokens {args.max_new_tokens} exceed the "
             f"model's max length of {limit} tokens; shorten the prompt or lower --max-new-tokens"
         )
-    drafter = make_drafter(args.drafter, loaded, args.draft_model, args.k, args.stop_below)
+    steering = _load_steering(args.steering)
+    drafter = make_drafter(
+        args.drafter, loaded, args.draft_model, args.k, args.stop_below, steering
+    )
     judge = _load_judge(args.judge, args.temperature)
 
     from .engine import generate
@@ -681,6 +720,17 @@ def _device_name(device: Any) -> str:
     return str(device)
 
 
+def _shipped_steering(name: str, device: Any) -> Any:
+    """The zoo pair's shipped steering map on ``device`` (the demo's steered row), or None
+    when the pair ships none."""
+    from . import zoo
+
+    try:
+        return _move(zoo.load_steering(name), device)
+    except FileNotFoundError:
+        return None
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .drafters import CachebackDrafter, ModelDrafter, NoDrafter
     from .engine import generate
@@ -703,10 +753,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             f"tokens) exceed the model's max length {target.max_length}"
         )
     k = args.k
+    steering = _shipped_steering(args.model, device)
     drafters: List[tuple[str, Callable[[], Any]]] = [
         ("autoregressive", lambda: NoDrafter()),
         ("Cacheback", lambda: CachebackDrafter(max_sequences=1)),
         (f"draft model (chain, k={k})", lambda: ModelDrafter(draft, mode="chain", k=k)),
+    ]
+    if steering is not None:
+        drafters.append(
+            (
+                f"steered draft model (chain, k={k})",
+                lambda: ModelDrafter(draft, mode="chain", k=k, steering=steering),
+            )
+        )
+    drafters += [
         (
             f"draft model (tree, k={k})",
             lambda: ModelDrafter(draft, mode="tree", k=k, branch=2, beam=4, max_nodes=16),
@@ -916,6 +976,114 @@ def _cmd_judge(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- steer ---------------------------------------------------------------------------------------
+
+
+def _steer_streams(args: argparse.Namespace, loaded: LoadedModel) -> tuple[List[int], List[int]]:
+    """The training and held-out token streams of ``specdecode steer``: ``--text`` files (the
+    last tenth of their tokens held out), else a zoo pair's own corpus (the Python standard
+    library's sources, with the pair's held-out split), each file ``[bos] + text + [eos]``."""
+    if args.text:
+        tokens: List[int] = []
+        for name in args.text:
+            f = Path(name).expanduser()
+            if not f.is_file():
+                raise CLIError(f"--text: {name} is not a file")
+            try:
+                tokens.extend(loaded.codec.encode(f.read_text(encoding="utf-8")))
+            except UnicodeDecodeError:
+                raise CLIError(f"--text: {name} is not UTF-8 text") from None
+        cut = len(tokens) - len(tokens) // 10
+        return tokens[:cut], tokens[cut:]
+    if _looks_like_path(args.model):
+        raise CLIError("--text: needed with a model directory (text to train the map on)")
+    from . import zoo
+    from .zoo.corpus import Corpus
+
+    tok = zoo.load_tokenizer(loaded.name)
+    corpus = Corpus.collect()
+    streams = []
+    for heldout, limit in ((False, args.tokens), (True, max(args.tokens // 10, 4 * args.seq_len))):
+        ids: List[int] = []
+        for text in corpus.texts(heldout=heldout):
+            ids.extend(tok.encode(text, bos=True, eos=True))
+            if len(ids) >= limit:
+                break
+        streams.append(ids[:limit])
+    return streams[0], streams[1]
+
+
+def _windows(tokens: List[int], seq: int, what: str) -> Any:
+    import torch
+
+    n = len(tokens) // seq
+    if n < 1:
+        raise CLIError(f"{what}: {len(tokens)} tokens, fewer than one window of --seq-len {seq}")
+    return torch.tensor(tokens[: n * seq], dtype=torch.int64).view(n, seq)
+
+
+def _cmd_steer(args: argparse.Namespace) -> int:
+    import torch
+
+    from .steering import fit_steering
+    from .zoo._paths import writable_file
+
+    try:
+        out_path = writable_file(Path(args.out).expanduser(), "--out")
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
+    device = _device_option(args.device)
+    loaded = load_model(args.model)
+    target = _move(loaded.target, device)
+    draft = loaded.draft
+    if args.draft_model is not None:
+        draft = _load_dir(_check_model_dir(args.draft_model, "--draft-model"), "--draft-model")
+    if draft is None:
+        raise CLIError("--draft-model: needed (a small model with the target's vocabulary)")
+    if not callable(getattr(draft, "forward_train", None)):
+        raise CLIError(
+            "--draft-model: a steered draft model must load as specdecode's Transformer "
+            "(Llama / Qwen / Mistral / Phi-3 families)"
+        )
+    draft = _move(draft, device)
+    limit = min(int(target.max_length), int(draft.max_length))
+    if args.seq_len > limit:
+        raise CLIError(f"--seq-len: {args.seq_len} exceeds the models' max length {limit}")
+    train, held = _steer_streams(args, loaded)
+    windows = _windows(train, args.seq_len, "training text")
+    held_out = _windows(held, args.seq_len, "held-out text")[: args.held_out_windows]
+    sys.stderr.write(
+        f"steer: {windows.shape[0]} training windows and {held_out.shape[0]} held-out windows "
+        f"of {args.seq_len} tokens; {args.steps} steps of {args.batch_size}; {threads} torch "
+        f"thread{'s' if threads != 1 else ''}, on {_device_name(device)}\n"
+    )
+    try:
+        fit = fit_steering(
+            target,
+            draft,
+            windows,
+            k=args.k,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            held_out=held_out,
+            seed=args.seed,
+            progress=True,
+        )
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    dtype = {"float32": torch.float32, "float16": torch.float16}[args.dtype]
+    fit.steering.save(out_path, dtype=dtype)
+    r = fit.held_out
+    print(
+        f"held out: KL(target || draft) {r['kl_unsteered']:.4f} -> {r['kl_steered']:.4f} nats, "
+        f"greedy agreement {r['agreement_unsteered']:.2%} -> {r['agreement_steered']:.2%}"
+    )
+    print(f"saved to {out_path}; decode with: specdecode generate --steering {out_path} ...")
+    return 0
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from ._info import format_info, info
 
@@ -1021,6 +1189,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a TokenJudge saved by specdecode.judge (AutoJudge): accept the draft/target "
         "mismatches it judges unimportant (lossy; greedy only, --temperature 0)",
     )
+    p_gen.add_argument(
+        "--steering",
+        metavar="FILE|PAIR",
+        default=None,
+        help="draft model drafters: steer the draft model with the target's hidden states "
+        "(SD²) using this map, a file from specdecode steer or a zoo pair's shipped one (e.g. "
+        "pycode); lossless",
+    )
     _add_device_argument(p_gen)
     p_gen.add_argument(
         "--echo",
@@ -1105,6 +1281,66 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads, and the kernels' (default: 1 for a zoo model, else the cores up to 4)",
     )
     p_judge.set_defaults(func=_cmd_judge)
+
+    p_steer = sub.add_parser(
+        "steer",
+        help="train an SD² steering map (target states -> draft model) for generate --steering",
+        description="Trains the linear map that turns the target's hidden states into steering "
+        "vectors for the draft model (SD², specdecode.steering) by distillation on text: the "
+        "zoo pair's own corpus by default, or --text files. The draft model stays frozen. "
+        "Reports the held-out divergence and greedy agreement with and without steering.",
+    )
+    p_steer.add_argument("--out", required=True, metavar="FILE", help="where to save the map")
+    p_steer.add_argument(
+        "--model",
+        default="pycode",
+        help="a zoo pair name (default: pycode) or a local Hugging Face model directory",
+    )
+    p_steer.add_argument(
+        "--draft-model", metavar="DIR", default=None, help="draft model (default: the zoo pair's)"
+    )
+    p_steer.add_argument(
+        "--text",
+        metavar="FILE",
+        action="append",
+        default=None,
+        help="UTF-8 text to train on (repeatable; the last tenth of its tokens is held out); "
+        "default: the zoo pair's corpus",
+    )
+    p_steer.add_argument(
+        "--tokens",
+        type=_int_at_least(1024, "an integer >= 1024"),
+        default=400_000,
+        help="training tokens read from the zoo corpus (default 400000)",
+    )
+    p_steer.add_argument(
+        "--seq-len", type=_int_at_least(4, "an integer >= 4"), default=256, help="(default 256)"
+    )
+    p_steer.add_argument("--steps", type=_positive_int, default=800, help="(default 800)")
+    p_steer.add_argument("--batch-size", type=_positive_int, default=8, help="(default 8)")
+    p_steer.add_argument(
+        "--lr",
+        type=float_in(0.0, 1.0, low_open=True),
+        default=2e-3,
+        help="peak learning rate (default 0.002)",
+    )
+    p_steer.add_argument("-k", type=_positive_int, default=4, help="draft depth (default 4)")
+    p_steer.add_argument("--held-out-windows", type=_positive_int, default=48, help="(default 48)")
+    p_steer.add_argument("--seed", type=_seed, default=0, help="(default 0)")
+    p_steer.add_argument(
+        "--dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help="precision of the saved weights (default float32)",
+    )
+    _add_device_argument(p_steer)
+    p_steer.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads, and the kernels' (default: 1 for a zoo model, else the cores up to 4)",
+    )
+    p_steer.set_defaults(func=_cmd_steer)
 
     p_info = sub.add_parser("info", help="version, backends, CUDA devices, threads")
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")

@@ -20,6 +20,7 @@ from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from ..models import Transformer
+    from ..steering import DraftSteering
 
 _ROOT = Path(__file__).resolve().parent
 
@@ -29,7 +30,7 @@ _PAIRS = {
     "pycode": "target + draft trained on the Python standard library's sources (sentencepiece BPE)",
 }
 
-__all__ = ["Tokenizer", "available", "load", "load_tokenizer", "path"]
+__all__ = ["Tokenizer", "available", "load", "load_steering", "load_tokenizer", "path"]
 
 
 def available() -> List[str]:
@@ -96,3 +97,25 @@ def load(name: str = "pycode") -> Tuple[Transformer, Transformer, Tokenizer]:
     target = Transformer.from_pretrained(str(d / "target"), dtype=torch.float32).eval()
     draft = Transformer.from_pretrained(str(d / "draft"), dtype=torch.float32).eval()
     return target, draft, Tokenizer(d / "tokenizer.model")
+
+
+STEERING_NAME = "steering.safetensors"
+
+
+def load_steering(name: str = "pycode") -> DraftSteering:
+    """The pair's trained steering map (:mod:`specdecode.steering`, SD²) for its draft model.
+
+    Trained by ``specdecode steer --model NAME --out .../steering.safetensors`` (docs/zoo.md
+    gives the command); stored in float16, returned in float32 on the CPU.
+
+    Raises
+    ------
+    TypeError, ValueError, FileNotFoundError
+        As :func:`path`; FileNotFoundError also when the pair ships no steering map.
+    """
+    from ..steering import DraftSteering  # noqa: F811 (the runtime import of the annotation's class)
+
+    f = path(name) / STEERING_NAME
+    if not f.is_file():
+        raise FileNotFoundError(f"name: the pair {name!r} ships no steering map ({f})")
+    return DraftSteering.load(f)
