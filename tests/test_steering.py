@@ -294,6 +294,8 @@ def test_the_drafter_checks_its_steering(target, draft_model):
     drafter.start([0], [[1, 2]])
     with pytest.raises(ValueError, match=r"\[1, Ht\]"):
         drafter.steer([0], [torch.zeros(2, H)] * 3)
+    with pytest.raises(ValueError, match="non-finite steering vectors"):
+        drafter.steer([0], [torch.full((1, H), float("nan"))] * 3)
     with pytest.raises(ValueError, match="no steering"):
         ModelDrafter(draft_model).steer([0], [torch.zeros(1, H)])
 

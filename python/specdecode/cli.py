@@ -861,6 +861,31 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 JUDGE_CHECKS = ("python-code", "final-number")
 
 
+def _load_pair(args: argparse.Namespace, device: Any) -> tuple[LoadedModel, Any, Any]:
+    """``--model`` and ``--draft-model`` (default: the zoo pair's draft) of ``judge`` and
+    ``steer``, both on ``device``."""
+    loaded = load_model(args.model)
+    target = _move(loaded.target, device)
+    draft = loaded.draft
+    if args.draft_model is not None:
+        draft = _load_dir(_check_model_dir(args.draft_model, "--draft-model"), "--draft-model")
+    if draft is None:
+        raise CLIError("--draft-model: needed (a small model with the target's vocabulary)")
+    return loaded, target, _move(draft, device)
+
+
+def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--draft-model`` of the commands that fit something to a pair."""
+    parser.add_argument(
+        "--model",
+        default="pycode",
+        help="a zoo pair name (default: pycode) or a local Hugging Face model directory",
+    )
+    parser.add_argument(
+        "--draft-model", metavar="DIR", default=None, help="draft model (default: the zoo pair's)"
+    )
+
+
 def _judge_prompts(args: argparse.Namespace) -> List[str]:
     """The prompt texts of ``specdecode judge``: ``--prompts FILE`` (JSON Lines, each line a
     string or an object with a ``"prompt"`` string) or ``--humaneval N``."""
@@ -914,14 +939,7 @@ def _cmd_judge(args: argparse.Namespace) -> int:
         )
     threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
     device = _device_option(args.device)
-    loaded = load_model(args.model)
-    target = _move(loaded.target, device)
-    draft = loaded.draft
-    if args.draft_model is not None:
-        draft = _load_dir(_check_model_dir(args.draft_model, "--draft-model"), "--draft-model")
-    if draft is None:
-        raise CLIError("--draft-model: needed (a small model with the target's vocabulary)")
-    draft = _move(draft, device)
+    loaded, target, draft = _load_pair(args, device)
     codec = loaded.codec
     ids = [codec.encode(t) for t in texts]
     if any(not row for row in ids):
@@ -1034,19 +1052,12 @@ def _cmd_steer(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
     device = _device_option(args.device)
-    loaded = load_model(args.model)
-    target = _move(loaded.target, device)
-    draft = loaded.draft
-    if args.draft_model is not None:
-        draft = _load_dir(_check_model_dir(args.draft_model, "--draft-model"), "--draft-model")
-    if draft is None:
-        raise CLIError("--draft-model: needed (a small model with the target's vocabulary)")
+    loaded, target, draft = _load_pair(args, device)
     if not callable(getattr(draft, "forward_train", None)):
         raise CLIError(
             "--draft-model: a steered draft model must load as specdecode's Transformer "
             "(Llama / Qwen / Mistral / Phi-3 families)"
         )
-    draft = _move(draft, device)
     limit = min(int(target.max_length), int(draft.max_length))
     if args.seq_len > limit:
         raise CLIError(f"--seq-len: {args.seq_len} exceeds the models' max length {limit}")
@@ -1223,14 +1234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "features, calibrates its threshold on held-out prompts and saves it.",
     )
     p_judge.add_argument("--out", required=True, metavar="FILE", help="where to save the judge")
-    p_judge.add_argument(
-        "--model",
-        default="pycode",
-        help="a zoo pair name (default: pycode) or a local Hugging Face model directory",
-    )
-    p_judge.add_argument(
-        "--draft-model", metavar="DIR", default=None, help="draft model (default: the zoo pair's)"
-    )
+    _add_pair_arguments(p_judge)
     p_judge.add_argument(
         "--prompts",
         metavar="FILE",
@@ -1291,14 +1295,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Reports the held-out divergence and greedy agreement with and without steering.",
     )
     p_steer.add_argument("--out", required=True, metavar="FILE", help="where to save the map")
-    p_steer.add_argument(
-        "--model",
-        default="pycode",
-        help="a zoo pair name (default: pycode) or a local Hugging Face model directory",
-    )
-    p_steer.add_argument(
-        "--draft-model", metavar="DIR", default=None, help="draft model (default: the zoo pair's)"
-    )
+    _add_pair_arguments(p_steer)
     p_steer.add_argument(
         "--text",
         metavar="FILE",

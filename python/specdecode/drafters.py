@@ -15,6 +15,11 @@ reads its state. The engine may then skip :meth:`propose` on a step where its bu
 no node of any chain (:class:`~specdecode.engine.CostAwareBudget`); :meth:`observe` still gets
 every committed token.
 
+A drafter may also read the target: one that names ``target_hidden`` (hidden-state indices of the
+target) and has ``steer(slots, hidden)`` gets the target's states at those layers, at each
+sequence's last accepted node, before each :meth:`observe` (a steered draft model, SD²:
+:mod:`specdecode.steering`).
+
 :class:`CachebackDrafter` implements it with Cacheback's n-gram LRU cache
 (:class:`~specdecode.ops.NGramCache`), which needs no model; :class:`ModelDrafter` with a small
 draft model; :class:`CombinedDrafter` asks one drafter first and a second one where the first has
@@ -531,7 +536,10 @@ class ModelDrafter:
         self.stop_below = stop_below
         self.model = model
         self.steering = _check_steering(steering, model)
-        self._steer: dict[int, torch.Tensor] = {}  # per open slot: [L, H] for its next round
+        # Row ``slot`` holds that slot's vectors [L, H] for its next round, zeros until the
+        # first steer() (one buffer over the cache's rows, handed whole to every pass: rows a
+        # pass does not feed are padding, so their vectors are never read).
+        self._steer: Optional[torch.Tensor] = None
         # Whether the model's forward skips padding (num_nodes): then the rows a pass does not
         # feed, and the padding of shorter rows, cost it nothing (_forward_rows).
         self._ragged = accepts_num_nodes(model)
@@ -593,8 +601,19 @@ class ModelDrafter:
             )
         with torch.no_grad():
             vectors = self.steering(hidden).to(self.model.device, self.model.dtype)
-        for i, slot in enumerate(slots_l):
-            self._steer[slot] = vectors[i]
+        # Checked once per round here rather than in every pass of the model.
+        if not bool(torch.isfinite(vectors).all()):
+            raise ValueError("hidden: the target's states give non-finite steering vectors")
+        buf = self._steer_buffer()
+        buf[torch.tensor(slots_l, device=buf.device)] = vectors
+
+    def _steer_buffer(self) -> torch.Tensor:
+        """The steering rows of the cache's rows, made (zeros) for the current cache."""
+        rows = self.cache.batch_size
+        if self._steer is None or self._steer.shape[0] != rows:
+            shape = (rows, self.steering.draft_layers, self.steering.draft_hidden_size)
+            self._steer = torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
+        return self._steer
 
     # ---- protocol ------------------------------------------------------------------------------
 
@@ -628,9 +647,10 @@ class ModelDrafter:
             self._fed[slot] = []
             self._temperature[slot], self._top_k[slot], self._top_p[slot] = 0.0, 0, 1.0
             self._seed[slot] = 0
-            self._steer.pop(slot, None)
             lengths[slot] = 0
         self.cache.truncate(lengths)
+        if self.steering is not None:  # new slots draft unsteered until their first steer()
+            self._steer_buffer()[torch.tensor(slots_l, device=self.model.device)] = 0
 
     def configure(
         self,
@@ -677,7 +697,6 @@ class ModelDrafter:
             if self._seq.pop(slot, None) is None:
                 raise ValueError(f"slots: slot {slot} is not open")
             del self._fed[slot]
-            self._steer.pop(slot, None)
             if lengths is not None:
                 lengths[slot] = 0
         if lengths is not None:
@@ -738,15 +757,10 @@ class ModelDrafter:
             real[slots] = torch.tensor([len(r) for r in rows], dtype=torch.int64)
             extra["num_nodes"] = real
         device = self.model.device
-        steered = [i for i, s in enumerate(slots) if s in self._steer]
-        if steered:
+        if self.steering is not None:
             # The round rule (specdecode.steering): every token fed this round takes its
-            # slot's vectors; rows not fed, or not steered yet, take zeros (no steering).
-            first = self._steer[slots[steered[0]]]
-            steer = torch.zeros((total, *first.shape), dtype=first.dtype, device=device)
-            for i in steered:
-                steer[slots[i]] = self._steer[slots[i]]
-            extra["steer"] = steer
+            # slot's vectors.
+            extra["steer"] = self._steer_buffer()
         logits = self.model.forward(
             ids.to(device),
             pos.to(device),

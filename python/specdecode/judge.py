@@ -410,16 +410,9 @@ class TokenJudge:
         ValueError
             If the file is not a saved judge.
         """
-        from safetensors import safe_open
+        from .models.io import read_tensor_file
 
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"path: no judge file at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ValueError(f"path: {path} is not a safetensors file ({e})") from e
+        meta, tensors = read_tensor_file(path, "judge")
         if meta.get("format") != _FORMAT or set(tensors) != {"weight", "mean", "scale"}:
             raise ValueError(f"path: {path} does not hold a TokenJudge (format {_FORMAT})")
         return cls(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
@@ -54,7 +55,7 @@ def default_target_layers(num_layers: int) -> tuple[int, ...]:
 def _rms(x: torch.Tensor) -> torch.Tensor:
     # Parameter-free RMS normalisation: the layers' states differ in scale by orders of
     # magnitude, and the map should see each at unit scale.
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return F.rms_norm(x, (x.shape[-1],), eps=1e-6)
 
 
 class DraftSteering(nn.Module):
@@ -205,16 +206,9 @@ class DraftSteering(nn.Module):
         ValueError
             If the file is not a saved map.
         """
-        from safetensors import safe_open
+        from .models.io import read_tensor_file
 
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"path: no steering file at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ValueError(f"path: {path} is not a safetensors file ({e})") from e
+        meta, tensors = read_tensor_file(path, "steering")
         if meta.get("format") != _FORMAT or set(tensors) != {"weight", "bias"}:
             raise ValueError(f"path: {path} does not hold a DraftSteering (format {_FORMAT})")
         try:

@@ -1,4 +1,5 @@
-"""Reading and writing the Hugging Face checkpoint layout: config.json + safetensors."""
+"""Reading and writing the Hugging Face checkpoint layout (config.json + safetensors), and the
+single safetensors files of fitted pieces (a judge, a steering map)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,26 @@ def save_state_dict(tensors: dict[str, torch.Tensor], directory: PathLike) -> No
     # safetensors refuses shared or strided storage; every tensor is written as its own copy.
     plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     save_file(plain, str(Path(directory) / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def read_tensor_file(path: PathLike, what: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The metadata and tensors of one safetensors file holding a ``what`` (named in errors).
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``path`` does not exist.
+    ValueError
+        If it is not a safetensors file.
+    """
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"path: no {what} file at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"path: {path} is not a safetensors file ({e})") from e
+    return meta, tensors
