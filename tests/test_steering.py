@@ -107,6 +107,36 @@ def test_the_map_rejects_bad_input(target, draft_model):
         DraftSteering.for_models(object(), draft_model)
 
 
+def test_a_factorised_map(tmp_path, target, draft_model):
+    full = DraftSteering(4096, (11, 21, 32), 2048, 16)  # never built in full: its sizes only
+    assert full.rank == 256 and full.down.weight.shape == (256, 3 * 4096)
+    assert full.proj.weight.shape == (16 * 2048, 256)
+    assert DraftSteering(H, (1, 2, 3), H, 2).rank == 0  # 192 x 128: smaller than rank 256
+    assert DraftSteering(4096, (32,), 2048, 16, rank=0).down is None
+    with pytest.raises(ValueError, match="rank"):
+        DraftSteering(H, (1,), H, 2, rank=-1)
+    steering = DraftSteering.for_models(target, draft_model, rank=16)
+    hidden = [torch.randn(3, H) for _ in range(3)]
+    assert torch.count_nonzero(steering(hidden)) == 0  # untrained: nothing
+    again = DraftSteering.for_models(target, draft_model, rank=16)
+    assert torch.equal(again.down.weight, steering.down.weight)  # a fixed draw
+    with torch.no_grad():
+        steering.proj.weight.normal_(0, 0.1)
+    expect = steering.proj(
+        steering.down(
+            torch.cat([torch.nn.functional.rms_norm(h, (H,), eps=1e-6) for h in hidden], -1)
+        )
+    )
+    torch.testing.assert_close(steering(hidden), expect.view(3, 2, H))
+    steering.save(tmp_path / "low.rank")
+    back = DraftSteering.load(tmp_path / "low.rank")
+    assert back.rank == 16
+    torch.testing.assert_close(back(hidden), steering(hidden).detach())
+    windows = torch.randint(0, V, (4, 24), generator=torch.Generator().manual_seed(1))
+    fit = fit_steering(target, draft_model, windows, steps=2, batch_size=2, rank=8)
+    assert fit.steering.rank == 8 and torch.count_nonzero(fit.steering.proj.weight) > 0
+
+
 def test_save_and_load_round_trip(tmp_path, target, draft_model):
     steering = random_steering(target, draft_model, seed=3)
     path = tmp_path / "steer.safetensors"

@@ -1078,6 +1078,7 @@ def _cmd_steer(args: argparse.Namespace) -> int:
             steps=args.steps,
             batch_size=args.batch_size,
             lr=args.lr,
+            rank=args.rank,
             held_out=held_out,
             seed=args.seed,
             progress=True,
@@ -1322,6 +1323,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="peak learning rate (default 0.002)",
     )
     p_steer.add_argument("-k", type=_positive_int, default=4, help="draft depth (default 4)")
+    p_steer.add_argument(
+        "--rank",
+        type=_nonnegative_int,
+        default=None,
+        help="factorise the map through RANK dimensions; 0 = never (default: rank 256 where "
+        "the full map would be larger)",
+    )
     p_steer.add_argument("--held-out-windows", type=_positive_int, default=48, help="(default 48)")
     p_steer.add_argument("--seed", type=_seed, default=0, help="(default 0)")
     p_steer.add_argument(

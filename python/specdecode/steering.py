@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 _FORMAT = "specdecode.DraftSteering/1"
+_DEFAULT_RANK = 256
 
 
 def default_target_layers(num_layers: int) -> tuple[int, ...]:
@@ -72,12 +73,18 @@ class DraftSteering(nn.Module):
         The draft model's hidden size ``Hd``.
     draft_layers : int
         The draft model's layer count ``Ld``: one vector per layer.
+    rank : int, optional
+        Factorise ``W`` as ``U · D`` through ``rank`` dimensions (``D``: ``[rank, S·Ht]``, random;
+        ``U``: ``[Ld·Hd, rank]``, zero). None (default) factorises at rank 256 only where that
+        is smaller than both sides of ``W``: a full map is ``S·Ht x Ld·Hd`` (0.2M weights for
+        the zoo pair, but 400M for a 32-layer 4096-wide target over a 16-layer 2048-wide draft,
+        where rank 256 keeps 11.5M). ``rank = 0`` never factorises.
 
     Notes
     -----
     ``vectors = W · concat(rms(h_1), ..., rms(h_S)) + b`` reshaped to ``[Ld, Hd]``, with ``W``
-    and ``b`` zero at construction: an untrained map steers by exactly nothing, so a drafter with
-    it drafts what it drafts without.
+    (or ``U``) and ``b`` zero at construction: an untrained map steers by exactly nothing, so a
+    drafter with it drafts what it drafts without.
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class DraftSteering(nn.Module):
         target_layers: Sequence[int],
         draft_hidden_size: int,
         draft_layers: int,
+        rank: Optional[int] = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -114,18 +122,36 @@ class DraftSteering(nn.Module):
         self.target_hidden_size = target_hidden_size
         self.draft_hidden_size = draft_hidden_size
         self.draft_layers = draft_layers
-        self.proj = nn.Linear(len(layers) * target_hidden_size, draft_layers * draft_hidden_size)
+        features, outputs = len(layers) * target_hidden_size, draft_layers * draft_hidden_size
+        if rank is None:
+            rank = _DEFAULT_RANK if _DEFAULT_RANK < min(features, outputs) else 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank: expected an int >= 0 or None, got {rank!r}")
+        self.rank = rank
+        # down: the factorised map's first half (random, so that gradients reach proj at once).
+        self.down: Optional[nn.Linear] = None
+        if rank:
+            self.down = nn.Linear(features, rank, bias=False)
+            with torch.no_grad():  # a fixed draw: the same map for the same sizes
+                generator = torch.Generator().manual_seed(0)
+                self.down.weight.normal_(0.0, features**-0.5, generator=generator)
+        self.proj = nn.Linear(rank or features, outputs)
         with torch.no_grad():
             self.proj.weight.zero_()
             self.proj.bias.zero_()
 
     @classmethod
     def for_models(
-        cls, target: Any, draft: Any, target_layers: Optional[Sequence[int]] = None
+        cls,
+        target: Any,
+        draft: Any,
+        target_layers: Optional[Sequence[int]] = None,
+        rank: Optional[int] = None,
     ) -> DraftSteering:
         """An untrained map sized for ``target`` and ``draft`` (models with a ``config`` holding
         ``hidden_size`` and ``num_hidden_layers``, as :class:`~specdecode.models.Transformer`);
-        ``target_layers`` defaults to :func:`default_target_layers`."""
+        ``target_layers`` defaults to :func:`default_target_layers`, ``rank`` as the
+        constructor's."""
         tc, dc = _config(target, "target"), _config(draft, "draft")
         layers = default_target_layers(tc.num_hidden_layers) if target_layers is None else None
         if target_layers is not None:
@@ -138,7 +164,7 @@ class DraftSteering(nn.Module):
                     f"target_layers: {bad} outside the target's hidden states "
                     f"[0, {tc.num_hidden_layers}]"
                 )
-        return cls(tc.hidden_size, layers, dc.hidden_size, dc.num_hidden_layers)
+        return cls(tc.hidden_size, layers, dc.hidden_size, dc.num_hidden_layers, rank=rank)
 
     def forward(self, hidden: Sequence[torch.Tensor]) -> torch.Tensor:
         """Steering vectors from the target's states.
@@ -170,7 +196,7 @@ class DraftSteering(nn.Module):
                 )
         device = self.proj.weight.device
         feats = torch.cat([_rms(h.to(device, torch.float32)) for h in hidden], dim=-1)
-        out = self.proj(feats)
+        out = self.proj(feats if self.down is None else self.down(feats))
         return out.view(*shape[:-1], self.draft_layers, self.draft_hidden_size)
 
     def save(self, path: Union[str, Path], dtype: torch.dtype = torch.float32) -> None:
@@ -188,11 +214,14 @@ class DraftSteering(nn.Module):
             "target_hidden_size": str(self.target_hidden_size),
             "draft_hidden_size": str(self.draft_hidden_size),
             "draft_layers": str(self.draft_layers),
+            "rank": str(self.rank),
         }
         tensors = {
             "weight": self.proj.weight.detach().to("cpu", dtype).contiguous(),
             "bias": self.proj.bias.detach().to("cpu", dtype).contiguous(),
         }
+        if self.down is not None:
+            tensors["down"] = self.down.weight.detach().to("cpu", dtype).contiguous()
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
@@ -209,7 +238,9 @@ class DraftSteering(nn.Module):
         from .models.io import read_tensor_file
 
         meta, tensors = read_tensor_file(path, "steering")
-        if meta.get("format") != _FORMAT or set(tensors) != {"weight", "bias"}:
+        rank = int(meta.get("rank", "0")) if meta.get("rank", "0").isdigit() else -1
+        names = {"weight", "bias"} | ({"down"} if rank > 0 else set())
+        if meta.get("format") != _FORMAT or set(tensors) != names:
             raise ValueError(f"path: {path} does not hold a DraftSteering (format {_FORMAT})")
         try:
             steering = cls(
@@ -217,10 +248,13 @@ class DraftSteering(nn.Module):
                 tuple(int(i) for i in meta["target_layers"].split(",")),
                 int(meta["draft_hidden_size"]),
                 int(meta["draft_layers"]),
+                rank=rank,
             )
             with torch.no_grad():
                 steering.proj.weight.copy_(tensors["weight"].float())
                 steering.proj.bias.copy_(tensors["bias"].float())
+                if steering.down is not None:
+                    steering.down.weight.copy_(tensors["down"].float())
         except (KeyError, ValueError, RuntimeError) as e:
             raise ValueError(f"path: {path} holds an inconsistent DraftSteering ({e})") from e
         return steering
@@ -385,6 +419,7 @@ def fit_steering(
     batch_size: int = 8,
     lr: float = 2e-3,
     target_layers: Optional[Sequence[int]] = None,
+    rank: Optional[int] = None,
     held_out: Optional[torch.Tensor] = None,
     seed: int = 0,
     progress: bool = False,
@@ -413,6 +448,8 @@ def fit_steering(
         Peak learning rate.
     target_layers : sequence of int, optional
         The target's states to read (default :func:`default_target_layers`).
+    rank : int, optional
+        The map's factorisation (:class:`DraftSteering`; default: full where that is small).
     held_out : torch.Tensor, optional
         int64 ``[M, T']`` windows scored before and after training (:attr:`SteeringFit.held_out`).
     seed : int
@@ -433,7 +470,7 @@ def fit_steering(
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr: expected a finite float > 0, got {lr!r}")
-    steering = DraftSteering.for_models(target, draft, target_layers).to(draft.device)
+    steering = DraftSteering.for_models(target, draft, target_layers, rank).to(draft.device)
     report: dict[str, float] = {}
     if held_out is not None:
         kl, agree = steering_divergence(target, draft, None, held_out, k=k, seed=seed)
