@@ -114,7 +114,9 @@ def test_demo_prints_code_table_and_identical():
     rows = {
         line.split("  ")[0].strip(): line.split()
         for line in out.splitlines()
-        if line.startswith(("autoregressive", "Cacheback", "draft model (", "steered draft"))
+        if line.startswith(
+            ("autoregressive", "Cacheback", "draft model (", "steered draft", "SpecFormer")
+        )
     }
     assert set(rows) == {
         "autoregressive",
@@ -122,6 +124,7 @@ def test_demo_prints_code_table_and_identical():
         "draft model (chain, k=3)",
         "steered draft model (chain, k=3)",
         "draft model (tree, k=3)",
+        "SpecFormer head (chain, k=3)",
         "Cacheback + draft model (chain, k=3)",
     }
     assert rows["autoregressive"][-1] == "1.00x"
@@ -642,6 +645,66 @@ def test_judge_command_explains_a_one_sided_mining(tmp_path, capsys):
     code, _, err = run_main([*argv, "--check", "final-number", "--max-new-tokens", "6"], capsys)
     line = _one_clean_line(code, err.splitlines()[-1])
     assert "cannot fit a judge on" in line and "both classes" in line
+
+
+# ---- specformer ----------------------------------------------------------------------------------
+
+
+@requires_pycode
+def test_specformer_command_trains_saves_and_generate_uses_the_head(tmp_path, capsys):
+    from specdecode.specformer import SpecFormerHead
+
+    text = tmp_path / "code.py"
+    text.write_text(Path(shutil.__file__).read_text(encoding="utf-8"), encoding="utf-8")
+    out = tmp_path / "pycode.sf"
+    argv = ["specformer", "--out", str(out), "--text", str(text), "--seq-len", "64", "-k", "3"]
+    argv += ["--steps", "3", "--batch-size", "2", "--held-out-windows", "2", "--dtype", "float16"]
+    code, printed, err = run_main([*argv, "--threads", "1"], capsys)
+    assert code == 0, err
+    head = SpecFormerHead.load(out)
+    assert head.k == 3 and head.target_layers == (2, 4, 6) and head.target_hidden_size == 256
+    assert "held out: KL(target || slot)" in printed and "by slot: " in printed
+    assert f"saved to {out}" in printed and "training windows" in err
+    gen = ["generate", PROMPT, "--max-new-tokens", "8", "--no-echo", "--threads", "1"]
+    code, plain, _ = run_main([*gen, "--drafter", "none"], capsys)
+    assert code == 0
+    specs = [["--specformer", str(out)]]
+    if (zoo.path("pycode") / zoo.SPECFORMER_NAME).is_file():
+        specs += [["--specformer", "pycode"], []]  # the pair's shipped head, named or default
+    for spec in specs:
+        code, drafted, err = run_main([*gen, "--drafter", "specformer", *spec], capsys)
+        assert code == 0, err
+        assert drafted == plain  # greedy and lossless: the same text
+        assert "[specformer]" in err
+
+
+@requires_pycode
+def test_specformer_option_errors(tmp_path, capsys):
+    gen = ["generate", PROMPT, "--max-new-tokens", "4"]
+    code, _, err = run_main([*gen, "--drafter", "model", "--specformer", "pycode"], capsys)
+    assert code == 2 and "--specformer: not used by --drafter model" in err
+    missing = str(tmp_path / "none.sf")
+    code, _, err = run_main([*gen, "--drafter", "specformer", "--specformer", missing], capsys)
+    assert code == 2 and "--specformer: path: no SpecFormer head file" in err
+    from specdecode.specformer import SpecFormerHead
+
+    SpecFormerHead(128, (1, 2), 2, num_heads=4).save(tmp_path / "other")  # another target's
+    code, _, err = run_main(
+        [*gen, "--drafter", "specformer", "--specformer", str(tmp_path / "other")], capsys
+    )
+    assert code == 2 and "--specformer: head: made for a target of hidden size 128" in err
+    code, _, err = run_main(
+        ["specformer", "--out", str(tmp_path / "s"), "--seq-len", "4096"], capsys
+    )
+    assert code == 2 and "--seq-len: 4096 exceeds" in err
+    code, _, err = run_main(
+        ["specformer", "--out", str(tmp_path / "s"), "--seq-len", "5", "-k", "4"], capsys
+    )
+    assert code == 2 and "-k 4" in err
+    code, _, err = run_main(
+        ["specformer", "--out", str(tmp_path / "s"), "--text", "nope.txt"], capsys
+    )
+    assert code == 2 and "--text: nope.txt is not a file" in err
 
 
 # ---- steer ---------------------------------------------------------------------------------------

@@ -474,6 +474,8 @@ def sampling_models():
         "cacheback",
         "combined",
         "combined-branching",
+        "specformer",
+        "specformer-tree",
     ],
 )
 def test_sampling_matches_the_target_distribution(kind, sampling_models):
@@ -503,6 +505,16 @@ def test_sampling_matches_the_target_distribution(kind, sampling_models):
             ModelDrafter(draft, mode="chain", k=3),
             mixed_steps="tree" if kind == "combined-branching" else "path",
         )
+    elif kind.startswith("specformer"):
+        # An untrained (random) head: its slots' distributions are the target's in nothing, so
+        # many drafts are rejected and the correction draws are exercised; the tree's children
+        # are deterministic, the chain's sampled from the slots.
+        from specdecode.specformer import SpecFormerDrafter, SpecFormerHead
+
+        torch.manual_seed(3)
+        head = SpecFormerHead.for_target(target, 3).eval()
+        mode = "tree" if kind.endswith("tree") else "chain"
+        drafter = SpecFormerDrafter(head, target, mode=mode, branch=2, max_nodes=6)
     else:
         drafter = make_drafter(kind, draft)
     counts = torch.zeros(SAMPLE_V**3, dtype=torch.float64)

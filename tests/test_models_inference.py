@@ -1218,3 +1218,17 @@ def test_steer_rejects_bad_input():
         assert cache.lengths.tolist() == [0, 0]  # nothing written
         with pytest.raises((TypeError, ValueError), match=match):
             draft_model.forward_train(ids, steer=steer)
+
+
+def test_head_logits_are_the_final_norm_and_lm_head():
+    """``Transformer.head_logits`` (packed weights, no autograd) equals the modules' product, for
+    one row and for several, and checks the width."""
+    from reference_engine import tiny_transformer
+
+    model = tiny_transformer(seed=3, layers=1)
+    for shape in ((1, 64), (2, 5, 64)):
+        x = torch.randn(shape)
+        want = model.lm_head(model.model.norm(x))
+        torch.testing.assert_close(model.head_logits(x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+        model.head_logits(torch.randn(2, 63))

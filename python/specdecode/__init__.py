@@ -6,7 +6,7 @@ and a thin Python layer around them. The kernels are in :mod:`specdecode.ops`.
 
 from __future__ import annotations
 
-from . import drafters, engine, judge, models, ops, steering, timeseries
+from . import drafters, engine, judge, models, ops, specformer, steering, timeseries
 from ._info import get_num_threads, get_threading, info, set_num_threads, set_threading
 from .engine import GenerationOutput, GenerationStats, SpeculativeDecoder, generate
 from .ops import PAD_TOKEN, TreeInfo, chain_parents, tree_info, tree_paths
@@ -32,6 +32,7 @@ __all__ = [
     "ops",
     "set_num_threads",
     "set_threading",
+    "specformer",
     "steering",
     "tree_info",
     "timeseries",

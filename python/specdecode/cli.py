@@ -1,4 +1,5 @@
-"""The ``specdecode`` command line: ``demo``, ``generate``, ``judge``, ``steer`` and ``info``.
+"""The ``specdecode`` command line: ``demo``, ``generate``, ``judge``, ``steer``, ``specformer``
+and ``info``.
 
 * ``specdecode demo`` decodes a few Python prompts with the bundled ``pycode`` pair (target and
   draft of :mod:`specdecode.zoo`) with every drafter, prints the generated code and a table of
@@ -8,7 +9,8 @@
   directory and a chosen drafter, streaming text to stdout as tokens are accepted and printing
   the statistics on stderr.
 * ``specdecode judge`` fits an AutoJudge judge for ``generate --judge``;
-  ``specdecode steer`` trains an SD² steering map for ``generate --steering``.
+  ``specdecode steer`` trains an SD² steering map for ``generate --steering``;
+  ``specdecode specformer`` trains a SpecFormer draft head for ``generate --drafter specformer``.
 * ``specdecode info`` reports the version, backends and devices.
 
 User errors (a missing model directory, an unknown zoo name or drafter, an empty prompt or one too
@@ -32,7 +34,7 @@ from typing import Any, Callable, List, Optional, Sequence, TextIO
 EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 
-DRAFTERS = ("none", "cacheback", "model", "model-tree", "combined")
+DRAFTERS = ("none", "cacheback", "model", "model-tree", "combined", "specformer")
 # The drafters that run a draft model (the zoo pair's, or --draft-model's).
 MODEL_DRAFTERS = ("model", "model-tree", "combined")
 
@@ -284,9 +286,11 @@ def make_drafter(
     k: int,
     stop_below: Optional[float] = None,
     steering: Any = None,
+    specformer: Any = None,
 ) -> Any:
     """The drafter named by ``--drafter`` for one sequence; ``stop_below`` is the draft model's
-    confidence floor and ``steering`` its SD² map (:class:`~specdecode.drafters.ModelDrafter`).
+    confidence floor and ``steering`` its SD² map (:class:`~specdecode.drafters.ModelDrafter`);
+    ``specformer`` the head of ``--drafter specformer`` (default: the zoo pair's shipped one).
 
     Raises
     ------
@@ -303,6 +307,8 @@ def make_drafter(
         return NoDrafter()
     if kind == "cacheback":
         return CachebackDrafter(max_sequences=1, chain=False)
+    if kind == "specformer":
+        return specformer_drafter(loaded, specformer, k)
     draft = loaded.draft
     if draft_dir is not None:
         draft = _load_dir(_check_model_dir(draft_dir, "--draft-model"), "--draft-model")
@@ -334,6 +340,41 @@ def make_drafter(
         )
     except (TypeError, ValueError) as exc:  # a steering map made for another draft model
         raise CLIError(f"--steering: {exc}") from None
+
+
+def specformer_drafter(loaded: LoadedModel, head: Any, k: int) -> Any:
+    """``--drafter specformer``: a chain of ``min(k, head.k)`` tokens from ``head`` (default: the
+    zoo pair's shipped head)."""
+    from .specformer import SpecFormerDrafter
+
+    if head is None:
+        if loaded.name not in _zoo_names():
+            raise CLIError(
+                "--drafter specformer: needs --specformer FILE (a head from specdecode "
+                "specformer) when --model is a directory"
+            )
+        head = _load_specformer(loaded.name)
+    try:
+        return SpecFormerDrafter(_move(head, loaded.target.device), loaded.target, k=min(k, head.k))
+    except (TypeError, ValueError) as exc:  # a head made for another target
+        raise CLIError(f"--specformer: {exc}") from None
+
+
+def _load_specformer(spec: Optional[str]) -> Any:
+    """``--specformer``: a zoo pair's shipped head (its name) or a file saved by
+    :meth:`specdecode.specformer.SpecFormerHead.save`; None without the option."""
+    if spec is None:
+        return None
+    from .specformer import SpecFormerHead
+
+    try:
+        if not _looks_like_path(spec) and spec in _zoo_names():
+            from . import zoo
+
+            return zoo.load_specformer(spec)
+        return SpecFormerHead.load(Path(spec).expanduser())
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(f"--specformer: {exc}") from None
 
 
 def _check_draft_model_option(
@@ -474,8 +515,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"model's max length of {limit} tokens; shorten the prompt or lower --max-new-tokens"
         )
     steering = _load_steering(args.steering)
+    if args.specformer is not None and args.drafter != "specformer":
+        raise CLIError(
+            f"--specformer: not used by --drafter {args.drafter} (only by --drafter "
+            "specformer); drop one of the two options"
+        )
     drafter = make_drafter(
-        args.drafter, loaded, args.draft_model, args.k, args.stop_below, steering
+        args.drafter,
+        loaded,
+        args.draft_model,
+        args.k,
+        args.stop_below,
+        steering,
+        _load_specformer(args.specformer),
     )
     judge = _load_judge(args.judge, args.temperature)
 
@@ -731,6 +783,17 @@ def _shipped_steering(name: str, device: Any) -> Any:
         return None
 
 
+def _shipped_specformer(name: str, device: Any) -> Any:
+    """The zoo pair's shipped SpecFormer head on ``device`` (the demo's SpecFormer row), or None
+    when the pair ships none."""
+    from . import zoo
+
+    try:
+        return _move(zoo.load_specformer(name), device)
+    except FileNotFoundError:
+        return None
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .drafters import CachebackDrafter, ModelDrafter, NoDrafter
     from .engine import generate
@@ -773,6 +836,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         ),
         (f"Cacheback + draft model (chain, k={k})", lambda: combined_drafter(draft, k)),
     ]
+    head = _shipped_specformer(args.model, device)
+    if head is not None:
+        from .specformer import SpecFormerDrafter
+
+        depth = min(k, head.k)
+        # Before the combined row: the demo's note reads the last row's fallback steps.
+        drafters.insert(
+            len(drafters) - 1,
+            (
+                f"SpecFormer head (chain, k={depth})",
+                lambda: SpecFormerDrafter(head, target, k=depth),
+            ),
+        )
 
     def params(model: Any) -> str:
         return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
@@ -883,6 +959,59 @@ def _add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--draft-model", metavar="DIR", default=None, help="draft model (default: the zoo pair's)"
+    )
+
+
+def _add_training_arguments(
+    parser: argparse.ArgumentParser, what: str, steps: int, lr: float
+) -> None:
+    """The text, optimiser and output options of the commands that train a piece on text
+    (``steer``, ``specformer``); ``what`` names the piece in the help."""
+    from .zoo._paths import float_in
+
+    parser.add_argument(
+        "--text",
+        metavar="FILE",
+        action="append",
+        default=None,
+        help="UTF-8 text to train on (repeatable; the last tenth of its tokens is held out); "
+        "default: the zoo pair's corpus",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=_int_at_least(1024, "an integer >= 1024"),
+        default=400_000,
+        help="training tokens read from the zoo corpus (default 400000)",
+    )
+    parser.add_argument(
+        "--seq-len", type=_int_at_least(4, "an integer >= 4"), default=256, help="(default 256)"
+    )
+    parser.add_argument("--steps", type=_positive_int, default=steps, help=f"(default {steps})")
+    parser.add_argument("--batch-size", type=_positive_int, default=8, help="(default 8)")
+    parser.add_argument(
+        "--lr",
+        type=float_in(0.0, 1.0, low_open=True),
+        default=lr,
+        help=f"peak learning rate (default {lr:g})",
+    )
+    parser.add_argument("--held-out-windows", type=_positive_int, default=48, help="(default 48)")
+    parser.add_argument("--seed", type=_seed, default=0, help="(default 0)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help=f"precision of the saved {what} (default float32)",
+    )
+    _add_device_argument(parser)
+    _add_threads_argument(parser)
+
+
+def _add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads, and the kernels' (default: 1 for a zoo model, else the cores up to 4)",
     )
 
 
@@ -997,8 +1126,9 @@ def _cmd_judge(args: argparse.Namespace) -> int:
 # ---- steer ---------------------------------------------------------------------------------------
 
 
-def _steer_streams(args: argparse.Namespace, loaded: LoadedModel) -> tuple[List[int], List[int]]:
-    """The training and held-out token streams of ``specdecode steer``: ``--text`` files (the
+def _training_streams(args: argparse.Namespace, loaded: LoadedModel) -> tuple[List[int], List[int]]:
+    """The training and held-out token streams of ``specdecode steer`` and ``specformer``:
+    ``--text`` files (the
     last tenth of their tokens held out), else a zoo pair's own corpus (the Python standard
     library's sources, with the pair's held-out split), each file ``[bos] + text + [eos]``."""
     if args.text:
@@ -1014,7 +1144,7 @@ def _steer_streams(args: argparse.Namespace, loaded: LoadedModel) -> tuple[List[
         cut = len(tokens) - len(tokens) // 10
         return tokens[:cut], tokens[cut:]
     if _looks_like_path(args.model):
-        raise CLIError("--text: needed with a model directory (text to train the map on)")
+        raise CLIError("--text: needed with a model directory (text to train on)")
     from . import zoo
     from .zoo.corpus import Corpus
 
@@ -1061,7 +1191,7 @@ def _cmd_steer(args: argparse.Namespace) -> int:
     limit = min(int(target.max_length), int(draft.max_length))
     if args.seq_len > limit:
         raise CLIError(f"--seq-len: {args.seq_len} exceeds the models' max length {limit}")
-    train, held = _steer_streams(args, loaded)
+    train, held = _training_streams(args, loaded)
     windows = _windows(train, args.seq_len, "training text")
     held_out = _windows(held, args.seq_len, "held-out text")[: args.held_out_windows]
     sys.stderr.write(
@@ -1093,6 +1223,67 @@ def _cmd_steer(args: argparse.Namespace) -> int:
         f"greedy agreement {r['agreement_unsteered']:.2%} -> {r['agreement_steered']:.2%}"
     )
     print(f"saved to {out_path}; decode with: specdecode generate --steering {out_path} ...")
+    return 0
+
+
+# ---- specformer ----------------------------------------------------------------------------------
+
+
+def _cmd_specformer(args: argparse.Namespace) -> int:
+    import torch
+
+    from .specformer import fit_specformer
+    from .zoo._paths import writable_file
+
+    try:
+        out_path = writable_file(Path(args.out).expanduser(), "--out")
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    threads = _set_threads(args.threads, small_model=not _looks_like_path(args.model))
+    device = _device_option(args.device)
+    loaded = load_model(args.model)
+    target = _move(loaded.target, device)
+    if args.seq_len > int(target.max_length):
+        raise CLIError(
+            f"--seq-len: {args.seq_len} exceeds the model's max length {target.max_length}"
+        )
+    if args.seq_len < args.k + 2:
+        raise CLIError(f"--seq-len: {args.seq_len} holds no position with -k {args.k} targets")
+    train, held = _training_streams(args, loaded)
+    windows = _windows(train, args.seq_len, "training text")
+    held_out = _windows(held, args.seq_len, "held-out text")[: args.held_out_windows]
+    sys.stderr.write(
+        f"specformer: {windows.shape[0]} training windows and {held_out.shape[0]} held-out "
+        f"windows of {args.seq_len} tokens; {args.steps} steps of {args.batch_size}; {threads} "
+        f"torch thread{'s' if threads != 1 else ''}, on {_device_name(device)}\n"
+    )
+    try:
+        fit = fit_specformer(
+            target,
+            windows,
+            k=args.k,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            positions_per_window=args.positions,
+            lr=args.lr,
+            held_out=held_out,
+            seed=args.seed,
+            progress=True,
+        )
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    dtype = {"float32": torch.float32, "float16": torch.float16}[args.dtype]
+    fit.head.save(out_path, dtype=dtype)
+    r = fit.held_out
+    by_slot = ", ".join(f"{a:.2%}" for a in r["agreement_by_slot"])
+    print(
+        f"held out: KL(target || slot) {r['kl']:.4f} nats, greedy agreement {r['agreement']:.2%} "
+        f"(by slot: {by_slot})"
+    )
+    print(
+        f"saved to {out_path}; decode with: specdecode generate --drafter specformer "
+        f"--specformer {out_path} ..."
+    )
     return 0
 
 
@@ -1169,7 +1360,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="cacheback",
         help="none (autoregressive), cacheback (n-gram, default), model (draft model chain), "
         "model-tree (draft model dynamic tree), combined (cacheback, and the draft model's "
-        "chain where cacheback has no draft)",
+        "chain where cacheback has no draft), specformer (a SpecFormer head over the target's "
+        "hidden states: a chain in one step)",
     )
     p_gen.add_argument(
         "--draft-model",
@@ -1209,6 +1401,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(SD²) using this map, a file from specdecode steer or a zoo pair's shipped one (e.g. "
         "pycode); lossless",
     )
+    p_gen.add_argument(
+        "--specformer",
+        metavar="FILE|PAIR",
+        default=None,
+        help="--drafter specformer: the head, a file from specdecode specformer or a zoo pair's "
+        "shipped one (default: the zoo pair's)",
+    )
     _add_device_argument(p_gen)
     p_gen.add_argument(
         "--echo",
@@ -1216,12 +1415,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="print the prompt before the generated text (default: yes)",
     )
-    p_gen.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=None,
-        help="torch threads, and the kernels' (default: 1 for a zoo model, else the cores up to 4)",
-    )
+    _add_threads_argument(p_gen)
     p_gen.set_defaults(func=_cmd_generate)
 
     from .zoo._paths import float_in
@@ -1279,12 +1473,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft depth of the mining's generations (default 4)",
     )
     _add_device_argument(p_judge)
-    p_judge.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=None,
-        help="torch threads, and the kernels' (default: 1 for a zoo model, else the cores up to 4)",
-    )
+    _add_threads_argument(p_judge)
     p_judge.set_defaults(func=_cmd_judge)
 
     p_steer = sub.add_parser(
@@ -1297,31 +1486,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_steer.add_argument("--out", required=True, metavar="FILE", help="where to save the map")
     _add_pair_arguments(p_steer)
-    p_steer.add_argument(
-        "--text",
-        metavar="FILE",
-        action="append",
-        default=None,
-        help="UTF-8 text to train on (repeatable; the last tenth of its tokens is held out); "
-        "default: the zoo pair's corpus",
-    )
-    p_steer.add_argument(
-        "--tokens",
-        type=_int_at_least(1024, "an integer >= 1024"),
-        default=400_000,
-        help="training tokens read from the zoo corpus (default 400000)",
-    )
-    p_steer.add_argument(
-        "--seq-len", type=_int_at_least(4, "an integer >= 4"), default=256, help="(default 256)"
-    )
-    p_steer.add_argument("--steps", type=_positive_int, default=800, help="(default 800)")
-    p_steer.add_argument("--batch-size", type=_positive_int, default=8, help="(default 8)")
-    p_steer.add_argument(
-        "--lr",
-        type=float_in(0.0, 1.0, low_open=True),
-        default=2e-3,
-        help="peak learning rate (default 0.002)",
-    )
+    _add_training_arguments(p_steer, "map's weights", steps=800, lr=2e-3)
     p_steer.add_argument("-k", type=_positive_int, default=4, help="draft depth (default 4)")
     p_steer.add_argument(
         "--rank",
@@ -1330,22 +1495,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="factorise the map through RANK dimensions; 0 = never (default: rank 256 where "
         "the full map would be larger)",
     )
-    p_steer.add_argument("--held-out-windows", type=_positive_int, default=48, help="(default 48)")
-    p_steer.add_argument("--seed", type=_seed, default=0, help="(default 0)")
-    p_steer.add_argument(
-        "--dtype",
-        choices=("float32", "float16"),
-        default="float32",
-        help="precision of the saved weights (default float32)",
-    )
-    _add_device_argument(p_steer)
-    p_steer.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=None,
-        help="torch threads, and the kernels' (default: 1 for a zoo model, else the cores up to 4)",
-    )
     p_steer.set_defaults(func=_cmd_steer)
+
+    p_sf = sub.add_parser(
+        "specformer",
+        help="train a SpecFormer draft head (target states -> k drafts in one step) for "
+        "generate --drafter specformer",
+        description="Trains a SpecFormer draft head (specdecode.specformer: a causal block over "
+        "the target's hidden states, then k draft slots that attend to each other) by "
+        "distillation from the frozen target on text: the zoo pair's own corpus by default, or "
+        "--text files. Reports the held-out divergence and greedy agreement per slot.",
+    )
+    p_sf.add_argument("--out", required=True, metavar="FILE", help="where to save the head")
+    p_sf.add_argument(
+        "--model",
+        default="pycode",
+        help="a zoo pair name (default: pycode) or a local Hugging Face model directory",
+    )
+    _add_training_arguments(p_sf, "head's weights", steps=1500, lr=1e-3)
+    p_sf.add_argument(
+        "--positions",
+        type=_positive_int,
+        default=64,
+        help="positions per window that train the draft slots (default 64)",
+    )
+    p_sf.add_argument(
+        "-k",
+        type=_int_at_least(1, "an integer in [1, 64]", 64),
+        default=4,
+        help="draft slots (default 4)",
+    )
+    p_sf.set_defaults(func=_cmd_specformer)
 
     p_info = sub.add_parser("info", help="version, backends, CUDA devices, threads")
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")

@@ -18,7 +18,10 @@ every committed token.
 A drafter may also read the target: one that names ``target_hidden`` (hidden-state indices of the
 target) and has ``steer(slots, hidden)`` gets the target's states at those layers, at each
 sequence's last accepted node, before each :meth:`observe` (a steered draft model, SD²:
-:mod:`specdecode.steering`).
+:mod:`specdecode.steering`). One that also sets ``target_states = "path"`` and has
+``follow(slots, hidden, lengths)`` gets them at every position instead: the prompt's after the
+prefill, the root's and the accepted nodes' after each verify pass (SpecFormer's head:
+:mod:`specdecode.specformer`).
 
 :class:`CachebackDrafter` implements it with Cacheback's n-gram LRU cache
 (:class:`~specdecode.ops.NGramCache`), which needs no model; :class:`ModelDrafter` with a small
@@ -45,6 +48,7 @@ __all__ = [
     "ModelDrafter",
     "NoDrafter",
     "SampledDraftTree",
+    "SlotSampling",
     "longest_accepted_path",
 ]
 
@@ -438,7 +442,53 @@ def _draft_seed(seed: torch.Tensor, depth: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
-class ModelDrafter:
+class SlotSampling:
+    """Per-slot sampling parameters for a drafter that samples its drafts as verify samples the
+    target's: the engine passes each sequence's through :meth:`configure`. Subclasses keep their
+    open slots' committed tokens in ``self._seq`` (slot -> list of tokens)."""
+
+    _seq: dict[int, list[int]]
+
+    def _init_sampling(self) -> None:
+        self._temperature: dict[int, float] = {}
+        self._top_k: dict[int, int] = {}
+        self._top_p: dict[int, float] = {}
+        self._seed: dict[int, int] = {}
+
+    def _reset_sampling(self, slot: int) -> None:
+        """A new slot drafts greedily until configured."""
+        self._temperature[slot], self._top_k[slot], self._top_p[slot] = 0.0, 0, 1.0
+        self._seed[slot] = 0
+
+    def configure(
+        self,
+        slots: Sequence[int],
+        *,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        seed: Sequence[int],
+    ) -> None:
+        """Sets each slot's sampling parameters (the engine passes the target's)."""
+        for i, slot in enumerate(slots):
+            slot = int(slot)
+            if slot not in self._seq:
+                raise ValueError(f"slots: slot {slot} is not open (call start first)")
+            self._temperature[slot] = float(temperature[i])
+            self._top_k[slot] = int(top_k[i])
+            self._top_p[slot] = float(top_p[i])
+            self._seed[slot] = int(seed[i])
+
+    def _sampling(self, slots: list[int]) -> tuple[torch.Tensor, ...]:
+        """(temperature float32, top-k int64, top-p float32, seed int64), each ``[len(slots)]``."""
+        t = torch.tensor([self._temperature[s] for s in slots], dtype=torch.float32)
+        k = torch.tensor([self._top_k[s] for s in slots], dtype=torch.int64)
+        p = torch.tensor([self._top_p[s] for s in slots], dtype=torch.float32)
+        seed = torch.tensor([self._seed[s] for s in slots], dtype=torch.int64)
+        return t, k, p, seed
+
+
+class ModelDrafter(SlotSampling):
     """Drafts with an independent small causal LM driven through the CausalLM protocol.
 
     Parameters
@@ -558,10 +608,7 @@ class ModelDrafter:
         self.cache: Any = None
         self._seq: dict[int, list[int]] = {}  # committed tokens per open slot
         self._fed: dict[int, list[int]] = {}  # tokens whose K/V the cache row holds
-        self._temperature: dict[int, float] = {}
-        self._top_k: dict[int, int] = {}
-        self._top_p: dict[int, float] = {}
-        self._seed: dict[int, int] = {}
+        self._init_sampling()
 
     @property
     def vocab_size(self) -> int:
@@ -575,6 +622,11 @@ class ModelDrafter:
     def target_hidden(self) -> Optional[tuple[int, ...]]:
         """The target's hidden-state indices :meth:`steer` reads (None: not steered)."""
         return None if self.steering is None else tuple(self.steering.target_layers)
+
+    @property
+    def target_hidden_size(self) -> Optional[int]:
+        """The target hidden size the steering map reads (None: not steered)."""
+        return None if self.steering is None else int(self.steering.target_hidden_size)
 
     def steer(self, slots: Sequence[int], hidden: Sequence[torch.Tensor]) -> None:
         """Sets each slot's steering for its next round from the target's states.
@@ -645,31 +697,11 @@ class ModelDrafter:
         for slot, row in zip(slots_l, rows):
             self._seq[slot] = row.tolist()
             self._fed[slot] = []
-            self._temperature[slot], self._top_k[slot], self._top_p[slot] = 0.0, 0, 1.0
-            self._seed[slot] = 0
+            self._reset_sampling(slot)
             lengths[slot] = 0
         self.cache.truncate(lengths)
         if self.steering is not None:  # new slots draft unsteered until their first steer()
             self._steer_buffer()[torch.tensor(slots_l, device=self.model.device)] = 0
-
-    def configure(
-        self,
-        slots: Sequence[int],
-        *,
-        temperature: Sequence[float],
-        top_k: Sequence[int],
-        top_p: Sequence[float],
-        seed: Sequence[int],
-    ) -> None:
-        """Sets each slot's sampling parameters (the engine passes the target's)."""
-        for i, slot in enumerate(slots):
-            slot = int(slot)
-            if slot not in self._seq:
-                raise ValueError(f"slots: slot {slot} is not open (call start first)")
-            self._temperature[slot] = float(temperature[i])
-            self._top_k[slot] = int(top_k[i])
-            self._top_p[slot] = float(top_p[i])
-            self._seed[slot] = int(seed[i])
 
     def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
         """Appends committed tokens and truncates the cache to what still matches them."""
@@ -813,13 +845,6 @@ class ModelDrafter:
         for s, p in zip(slots, pending):
             self._fed[s].extend(p)
         return logits[torch.arange(len(slots), device=logits.device), last]
-
-    def _sampling(self, slots: list[int]) -> tuple[torch.Tensor, ...]:
-        t = torch.tensor([self._temperature[s] for s in slots], dtype=torch.float32)
-        k = torch.tensor([self._top_k[s] for s in slots], dtype=torch.int64)
-        p = torch.tensor([self._top_p[s] for s in slots], dtype=torch.float32)
-        seed = torch.tensor([self._seed[s] for s in slots], dtype=torch.int64)
-        return t, k, p, seed
 
     def _propose_chain(self, slots: list[int]) -> Union[DraftTree, SampledDraftTree]:
         batch = len(slots)
@@ -1155,6 +1180,18 @@ class CombinedDrafter:
         part = self._steered()
         return None if part is None else part.target_hidden
 
+    @property
+    def target_hidden_size(self) -> Optional[int]:
+        part = self._steered()
+        return None if part is None else getattr(part, "target_hidden_size", None)
+
+    @property
+    def target_states(self) -> str:
+        """How the part reading the target takes its states: ``"last"`` (:meth:`steer`) or
+        ``"path"`` (:meth:`follow`)."""
+        part = self._steered()
+        return "last" if part is None else getattr(part, "target_states", "last")
+
     def steer(self, slots: Sequence[int], hidden: Sequence[torch.Tensor]) -> None:
         """Hands the target's states to the steered part (``ModelDrafter.steer``): it is steered
         on every step, also those where the other part's tree is taken."""
@@ -1162,6 +1199,17 @@ class CombinedDrafter:
         if part is None:
             raise ValueError("steer: neither part of this drafter is steered")
         part.steer(slots, hidden)
+
+    def follow(
+        self, slots: Sequence[int], hidden: Sequence[torch.Tensor], lengths: Sequence[int]
+    ) -> None:
+        """Hands the target's path states to the part that follows them
+        (``SpecFormerDrafter.follow``), on every step, also those where the other part's tree
+        is taken."""
+        part = self._steered()
+        if part is None or getattr(part, "target_states", "last") != "path":
+            raise ValueError("follow: neither part of this drafter follows the target's path")
+        part.follow(slots, hidden, lengths)
 
     def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
         """Hands the committed tokens to both drafters."""

@@ -960,6 +960,9 @@ class SpeculativeDecoder:
         :class:`~specdecode.drafters.ModelDrafter` with ``steering=``) gets the target's states
         at those layers: after the prefill, at each prompt's last prefilled position, and after
         every verify pass, at each running row's last accepted node (:mod:`specdecode.steering`).
+        One with ``target_states = "path"`` and ``follow(slots, hidden, lengths)`` (a
+        :class:`~specdecode.specformer.SpecFormerDrafter`) gets them at every prefilled position
+        and at each running row's root and accepted nodes (:mod:`specdecode.specformer`).
     method : str
         Verification rule of :func:`specdecode.ops.verify`: ``"exact"`` (lossless, default),
         ``"greedy"``, or the lossy ``"typical"``, ``"relaxed"``, ``"topk_accept"``. Sequences with
@@ -1041,6 +1044,9 @@ class SpeculativeDecoder:
         self.progress = bool(progress)
         self.verify_options = verify_options
         self._steer_layers = _steer_layers(drafter, target)
+        # "path": the drafter follows the target's states at every accepted node (SpecFormer);
+        # "last": only at each row's last accepted node (a steered draft model).
+        self._follow_path = getattr(drafter, "target_states", "last") == "path"
         # A target that skips padding tokens (num_nodes=) does no work for the unused nodes of
         # short drafts and of finished rows.
         self._ragged = accepts_num_nodes(target)
@@ -1263,9 +1269,14 @@ class SpeculativeDecoder:
                 **extra,
             )
             # Each prompt's first round is steered from its last prefilled position (the one
-            # whose distribution gave the first root); one-token prompts have none.
+            # whose distribution gave the first root); one-token prompts have none. A drafter
+            # that follows the path gets every prefilled position.
             rows = [b for b, n in enumerate(state.prompt_lens) if n >= 2]
-            if rows:
+            if rows and self._follow_path:
+                pick = torch.tensor(rows, device=device)
+                lengths = [state.prompt_lens[b] - 1 for b in rows]
+                self.drafter.follow(rows, [h[pick] for h in hidden], lengths)
+            elif rows:
                 at = torch.tensor([state.prompt_lens[b] - 2 for b in rows], device=device)
                 pick = torch.tensor(rows, device=device)
                 self.drafter.steer(rows, [h[pick, at] for h in hidden])
@@ -1646,15 +1657,24 @@ class SpeculativeDecoder:
     ) -> None:
         """Hands a steered drafter the target's states at each running row's last accepted node
         (cache positions ``act``; the root when nothing was accepted): the node whose
-        distribution gave the row's bonus or correction token, the next round's root."""
+        distribution gave the row's bonus or correction token, the next round's root. A drafter
+        that follows the path gets the states of the root and every accepted node, in order."""
         rows = [i for i in act if not state.done[state.rows[i]]]
         if not rows:
             return
         device = hidden[0].device
         index = torch.tensor(rows, dtype=torch.int64, device=result.path.device)
-        nodes = result.path[index, result.num_accepted[index].long()].to(device, torch.int64)
+        accepted = result.num_accepted[index].long()
+        slots = [state.rows[i] for i in rows]
         pick = index.to(device)
-        self.drafter.steer([state.rows[i] for i in rows], [h[pick, nodes] for h in hidden])
+        if self._follow_path:
+            span = int(accepted.max()) + 1
+            nodes = result.path[index, :span].to(device, torch.int64).clamp_min(0)
+            states = [h[pick.unsqueeze(1), nodes] for h in hidden]
+            self.drafter.follow(slots, states, (accepted + 1).tolist())
+            return
+        nodes = result.path[index, accepted].to(device, torch.int64)
+        self.drafter.steer(slots, [h[pick, nodes] for h in hidden])
 
     def _update_drafter(self, state: _Batch, active: list[int], committed: list[list[int]]) -> None:
         running = [i for i, b in enumerate(active) if not state.done[b]]
@@ -1674,23 +1694,23 @@ def _steer_layers(drafter: Any, target: Any) -> Optional[tuple[int, ...]]:
     layers = getattr(drafter, "target_hidden", None)
     if layers is None:
         return None
-    if not callable(getattr(drafter, "steer", None)):
-        raise TypeError("drafter: it names target_hidden layers but has no steer() method")
+    method = "follow" if getattr(drafter, "target_states", "last") == "path" else "steer"
+    if not callable(getattr(drafter, method, None)):
+        raise TypeError(f"drafter: it names target_hidden layers but has no {method}() method")
     layers = tuple(layers)
     if not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
         raise TypeError(f"drafter: target_hidden must be a non-empty tuple of ints, got {layers}")
     count = getattr(target, "num_hidden_layers", None)
     if count is not None and any(not -(count + 1) <= i <= count for i in layers):
         raise ValueError(
-            f"drafter: its steering reads target hidden states {layers}, the target has "
+            f"drafter: it reads target hidden states {layers}, the target has "
             f"indices 0 .. {count} (layers + the final norm); was it made for another target?"
         )
-    steering = getattr(drafter, "steering", None)
-    wants = getattr(steering, "target_hidden_size", None)
+    wants = getattr(drafter, "target_hidden_size", None)
     has = getattr(getattr(target, "config", None), "hidden_size", None)
     if wants is not None and has is not None and int(wants) != int(has):
         raise ValueError(
-            f"drafter: its steering reads target states of size {wants}, the target's hidden "
+            f"drafter: it reads target states of size {wants}, the target's hidden "
             f"size is {has}; was it made for another target?"
         )
     return layers

@@ -393,11 +393,11 @@ class TokenJudge:
 
     def save(self, path: Union[str, Path]) -> None:
         """Writes the judge to one safetensors file (its threshold in the metadata)."""
-        from safetensors.torch import save_file
+        from .models.io import write_tensor_file
 
         tensors = {"weight": self.weight, "mean": self.mean, "scale": self.scale}
         meta = {"format": _FORMAT, "bias": repr(self.bias), "threshold": repr(self.threshold)}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+        write_tensor_file(path, tensors, meta)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> TokenJudge:

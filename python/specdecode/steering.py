@@ -22,13 +22,22 @@ catch-up and its drafts, takes that vector; K/V kept from earlier rounds keep th
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ._distill import (
+    check_hidden,
+    check_layers,
+    check_training,
+    check_windows,
+    divergence,
+    rms,
+    target_pass,
+    train,
+)
 
 __all__ = [
     "DraftSteering",
@@ -51,12 +60,6 @@ def default_target_layers(num_layers: int) -> tuple[int, ...]:
         raise ValueError(f"num_layers: expected an int >= 1, got {num_layers!r}")
     picks = (max(1, round(num_layers / 3)), max(1, round(2 * num_layers / 3)), num_layers)
     return tuple(sorted(set(picks)))
-
-
-def _rms(x: torch.Tensor) -> torch.Tensor:
-    # Parameter-free RMS normalisation: the layers' states differ in scale by orders of
-    # magnitude, and the map should see each at unit scale.
-    return F.rms_norm(x, (x.shape[-1],), eps=1e-6)
 
 
 class DraftSteering(nn.Module):
@@ -103,21 +106,7 @@ class DraftSteering(nn.Module):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-        if isinstance(target_layers, (str, bytes)) or not isinstance(
-            target_layers, (list, tuple, range)
-        ):
-            raise TypeError(
-                f"target_layers: expected a sequence of ints, got {type(target_layers).__name__}"
-            )
-        layers = tuple(target_layers)
-        if (
-            not layers
-            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
-            or len(set(layers)) != len(layers)
-        ):
-            raise ValueError(
-                f"target_layers: expected distinct hidden-state indices >= 0, got {layers!r}"
-            )
+        layers = check_layers(target_layers)
         self.target_layers = layers
         self.target_hidden_size = target_hidden_size
         self.draft_hidden_size = draft_hidden_size
@@ -180,33 +169,17 @@ class DraftSteering(nn.Module):
         torch.Tensor
             float32 ``[..., Ld, Hd]`` on the map's device.
         """
-        if len(hidden) != len(self.target_layers):
-            raise ValueError(
-                f"hidden: expected {len(self.target_layers)} states (target_layers "
-                f"{self.target_layers}), got {len(hidden)}"
-            )
-        shape = hidden[0].shape
-        for i, h in enumerate(hidden):
-            if not isinstance(h, torch.Tensor) or not h.dtype.is_floating_point:
-                raise TypeError(f"hidden[{i}]: expected a floating torch.Tensor")
-            if h.shape != shape or h.shape[-1] != self.target_hidden_size:
-                raise ValueError(
-                    f"hidden[{i}]: expected shape [..., {self.target_hidden_size}] like "
-                    f"hidden[0] {list(shape)}, got {list(h.shape)}"
-                )
+        check_hidden(hidden, self.target_layers, self.target_hidden_size)
         device = self.proj.weight.device
-        feats = torch.cat([_rms(h.to(device, torch.float32)) for h in hidden], dim=-1)
+        feats = torch.cat([rms(h.to(device, torch.float32)) for h in hidden], dim=-1)
         out = self.proj(feats if self.down is None else self.down(feats))
-        return out.view(*shape[:-1], self.draft_layers, self.draft_hidden_size)
+        return out.view(*hidden[0].shape[:-1], self.draft_layers, self.draft_hidden_size)
 
     def save(self, path: Union[str, Path], dtype: torch.dtype = torch.float32) -> None:
         """Writes the map to one safetensors file (its sizes and layers in the metadata), its
         weights rounded to ``dtype`` (float32, float16 or bfloat16; :meth:`load` reads them back
         as float32)."""
-        from safetensors.torch import save_file
-
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+        from .models.io import write_tensor_file
 
         meta = {
             "format": _FORMAT,
@@ -216,13 +189,10 @@ class DraftSteering(nn.Module):
             "draft_layers": str(self.draft_layers),
             "rank": str(self.rank),
         }
-        tensors = {
-            "weight": self.proj.weight.detach().to("cpu", dtype).contiguous(),
-            "bias": self.proj.bias.detach().to("cpu", dtype).contiguous(),
-        }
+        tensors = {"weight": self.proj.weight, "bias": self.proj.bias}
         if self.down is not None:
-            tensors["down"] = self.down.weight.detach().to("cpu", dtype).contiguous()
-        save_file(tensors, str(path), metadata=meta)
+            tensors["down"] = self.down.weight
+        write_tensor_file(path, tensors, meta, dtype)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> DraftSteering:
@@ -302,21 +272,6 @@ def round_sources(length: int, k: int, generator: torch.Generator) -> tuple[torc
     return sources, prompt - 1
 
 
-@torch.no_grad()
-def _target_pass(
-    target: Any, windows: torch.Tensor, layers: Sequence[int]
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The target's log-probabilities ``[B, T, V]`` and its states at ``layers`` over whole
-    windows (a cache-less causal pass; float32)."""
-    cache = target.new_cache(windows.shape[0], windows.shape[1])
-    positions = torch.arange(windows.shape[1]).expand_as(windows)
-    device = target.device
-    logits, hidden = target.forward(
-        windows.to(device), positions.to(device), cache, output_hidden=list(layers)
-    )
-    return torch.log_softmax(logits.float(), dim=-1), [h.float() for h in hidden]
-
-
 def _steered_log_probs(
     draft: Any,
     steering: Optional[DraftSteering],
@@ -335,18 +290,6 @@ def _steered_log_probs(
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _divergence(
-    target_logp: torch.Tensor, draft_logp: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean KL(target || draft) and greedy agreement over the positions in ``mask`` ``[B, T]``."""
-    draft_logp = draft_logp.to(target_logp.device)
-    kl = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)
-    agree = (target_logp.argmax(-1) == draft_logp.argmax(-1)).float()
-    m = mask.to(kl.device).float()
-    count = m.sum().clamp_min(1.0)
-    return (kl * m).sum() / count, (agree * m).sum() / count
-
-
 def _split(windows: torch.Tensor, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sources ``[B, T]`` and loss mask ``[B, T]`` of a batch, one random split per row."""
     g = torch.Generator().manual_seed(seed)
@@ -357,18 +300,6 @@ def _split(windows: torch.Tensor, k: int, seed: int) -> tuple[torch.Tensor, torc
         sources.append(src)
         mask.append(torch.arange(length) >= first)
     return torch.stack(sources), torch.stack(mask)
-
-
-def _check_windows(windows: Any, name: str, vocab: int) -> torch.Tensor:
-    if not isinstance(windows, torch.Tensor) or windows.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{name}: expected an int64 or int32 torch.Tensor [N, T]")
-    if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 4:
-        raise ValueError(
-            f"{name}: expected shape [N >= 1, T >= 4] (token windows), got {list(windows.shape)}"
-        )
-    if int(windows.min()) < 0 or int(windows.max()) >= vocab:
-        raise ValueError(f"{name}: token ids outside the vocabulary [0, {vocab})")
-    return windows.long()
 
 
 def _check_pair(target: Any, draft: Any, k: int) -> None:
@@ -462,14 +393,10 @@ def fit_steering(
     SteeringFit
     """
     _check_pair(target, draft, k)
-    windows = _check_windows(windows, "windows", int(target.vocab_size))
+    windows = check_windows(windows, "windows", int(target.vocab_size))
     if held_out is not None:
-        held_out = _check_windows(held_out, "held_out", int(target.vocab_size))
-    for name, value in (("steps", steps), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr: expected a finite float > 0, got {lr!r}")
+        held_out = check_windows(held_out, "held_out", int(target.vocab_size))
+    check_training(steps, batch_size, lr)
     steering = DraftSteering.for_models(target, draft, target_layers, rank).to(draft.device)
     report: dict[str, float] = {}
     if held_out is not None:
@@ -479,34 +406,26 @@ def fit_steering(
     frozen = [p.requires_grad for p in draft.parameters()]
     for p in draft.parameters():
         p.requires_grad_(False)
-    opt = torch.optim.Adam(steering.parameters(), lr=lr)
-    order = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(seed))
-    losses: list[float] = []
-    bar = None
-    if progress:
-        from .engine import _Progress
 
-        bar = _Progress(steps, unit="step", units="steps")
+    def loss_of(batch: torch.Tensor, step: int) -> torch.Tensor:
+        target_logp, hidden = target_pass(target, batch, steering.target_layers)
+        sources, mask = _split(batch, k, seed * 1_000_003 + step)
+        draft_logp = _steered_log_probs(draft, steering, batch, hidden, sources)
+        return divergence(target_logp, draft_logp, mask)[0]
+
     try:
         draft.eval()
-        for step in range(steps):
-            picks = [int(order[(step * batch_size + i) % len(order)]) for i in range(batch_size)]
-            batch = windows[picks]
-            target_logp, hidden = _target_pass(target, batch, steering.target_layers)
-            sources, mask = _split(batch, k, seed * 1_000_003 + step)
-            draft_logp = _steered_log_probs(draft, steering, batch, hidden, sources)
-            loss, _ = _divergence(target_logp, draft_logp, mask)
-            for group in opt.param_groups:
-                group["lr"] = _learning_rate(lr, step, steps)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-            if bar is not None:
-                bar.update(1)
+        losses = train(
+            list(steering.parameters()),
+            windows,
+            loss_of,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            progress=progress,
+        )
     finally:
-        if bar is not None:
-            bar.close()
         for p, flag in zip(draft.parameters(), frozen):
             p.requires_grad_(flag)
         draft.train(was_training)
@@ -515,17 +434,6 @@ def fit_steering(
         kl, agree = steering_divergence(target, draft, steering, held_out, k=k, seed=seed)
         report["kl_steered"], report["agreement_steered"] = kl, agree
     return SteeringFit(steering, losses, report)
-
-
-def _learning_rate(peak: float, step: int, steps: int) -> float:
-    """Linear warm-up over the first tenth of the steps, then cosine decay to zero. The warm-up
-    matters: Adam's first steps move every weight by about the learning rate whatever its
-    gradient, and a map fed hundreds of unit-scale features would then throw the draft model far
-    off before the moments are estimated."""
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
 @torch.no_grad()
@@ -548,15 +456,15 @@ def steering_divergence(
     draft model alone.
     """
     _check_pair(target, draft, k)
-    windows = _check_windows(windows, "windows", int(target.vocab_size))
+    windows = check_windows(windows, "windows", int(target.vocab_size))
     layers = steering.target_layers if steering is not None else (int(target.num_hidden_layers),)
     kl_sum = agree_sum = count = 0.0
     for i in range(0, windows.shape[0], batch_size):
         batch = windows[i : i + batch_size]
-        target_logp, hidden = _target_pass(target, batch, layers)
+        target_logp, hidden = target_pass(target, batch, layers)
         sources, mask = _split(batch, k, seed * 7_919 + i)
         draft_logp = _steered_log_probs(draft, steering, batch, hidden, sources)
-        kl, agree = _divergence(target_logp, draft_logp, mask)
+        kl, agree = divergence(target_logp, draft_logp, mask)
         n = float(mask.sum())
         kl_sum += float(kl) * n
         agree_sum += float(agree) * n

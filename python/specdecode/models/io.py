@@ -1,12 +1,12 @@
 """Reading and writing the Hugging Face checkpoint layout (config.json + safetensors), and the
-single safetensors files of fitted pieces (a judge, a steering map)."""
+single safetensors files of fitted pieces (a judge, a steering map, a SpecFormer head)."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -59,6 +59,27 @@ def save_state_dict(tensors: dict[str, torch.Tensor], directory: PathLike) -> No
     # safetensors refuses shared or strided storage; every tensor is written as its own copy.
     plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     save_file(plain, str(Path(directory) / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def write_tensor_file(
+    path: PathLike,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, str],
+    dtype: Optional[torch.dtype] = None,
+) -> None:
+    """Writes a fitted piece's ``tensors`` to one safetensors file with its ``meta``, floating
+    tensors rounded to ``dtype`` (float32, float16 or bfloat16) or kept as they are (None)."""
+    from safetensors.torch import save_file
+
+    if dtype is not None and dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        keep = dtype is None or not t.dtype.is_floating_point
+        return t.detach().to("cpu", t.dtype if keep else dtype).contiguous()
+
+    plain = {name: stored(t) for name, t in tensors.items()}
+    save_file(plain, str(path), metadata=meta)
 
 
 def read_tensor_file(path: PathLike, what: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

@@ -845,6 +845,31 @@ class Transformer(nn.Module):
             )
         return supported
 
+    @torch.no_grad()
+    def head_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head over residual-stream states, as the cached forward applies
+        them (its packed weights: faster than ``lm_head(model.norm(x))`` for a few rows).
+
+        Parameters
+        ----------
+        states : torch.Tensor
+            Floating ``[..., H]`` states before the final norm (e.g. a draft head's outputs).
+
+        Returns
+        -------
+        torch.Tensor
+            ``[..., V]`` logits in the model's dtype (no autograd).
+        """
+        if states.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"states: expected [..., {self.config.hidden_size}], got {list(states.shape)}"
+            )
+        fast = self._inference_weights()
+        x = _rms_norm(
+            states.reshape(-1, states.shape[-1]).to(self.dtype), fast.norm, self.config.rms_norm_eps
+        )
+        return _mm_rows(x, fast.head_t, fast.head_p).view(*states.shape[:-1], -1)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -20,6 +20,7 @@ from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from ..models import Transformer
+    from ..specformer import SpecFormerHead
     from ..steering import DraftSteering
 
 _ROOT = Path(__file__).resolve().parent
@@ -30,7 +31,15 @@ _PAIRS = {
     "pycode": "target + draft trained on the Python standard library's sources (sentencepiece BPE)",
 }
 
-__all__ = ["Tokenizer", "available", "load", "load_steering", "load_tokenizer", "path"]
+__all__ = [
+    "Tokenizer",
+    "available",
+    "load",
+    "load_specformer",
+    "load_steering",
+    "load_tokenizer",
+    "path",
+]
 
 
 def available() -> List[str]:
@@ -119,3 +128,25 @@ def load_steering(name: str = "pycode") -> DraftSteering:
     if not f.is_file():
         raise FileNotFoundError(f"name: the pair {name!r} ships no steering map ({f})")
     return DraftSteering.load(f)
+
+
+SPECFORMER_NAME = "specformer.safetensors"
+
+
+def load_specformer(name: str = "pycode") -> SpecFormerHead:
+    """The pair's trained SpecFormer draft head (:mod:`specdecode.specformer`) for its target.
+
+    Trained by ``specdecode specformer --model NAME --out .../specformer.safetensors``
+    (docs/zoo.md gives the command); stored in float16, returned in float32 on the CPU.
+
+    Raises
+    ------
+    TypeError, ValueError, FileNotFoundError
+        As :func:`path`; FileNotFoundError also when the pair ships no SpecFormer head.
+    """
+    from ..specformer import SpecFormerHead  # noqa: F811 (the annotation's class, at run time)
+
+    f = path(name) / SPECFORMER_NAME
+    if not f.is_file():
+        raise FileNotFoundError(f"name: the pair {name!r} ships no SpecFormer head ({f})")
+    return SpecFormerHead.load(f)
