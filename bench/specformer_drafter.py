@@ -1,17 +1,18 @@
-"""SpecFormer on the shipped pycode pair: its draft head against the draft model and no drafter.
+"""SpecFormer on the shipped pycode pair: its draft heads against the draft model and no drafter.
 
-    python bench/specformer_drafter.py [--head FILE] [--prompts 64] [--max-new 64]
+    python bench/specformer_drafter.py [--head FILE ...] [--prompts 64] [--max-new 64]
         [--batch 1 16] [--temperatures 0 1] [--repeats 3]
 
 Decodes HumanEval prompts (never part of the pair's or the head's training text) with, per batch
 size and temperature: no drafter (autoregressive, the baseline), the pair's draft model (chains of
-k=4, :class:`specdecode.drafters.ModelDrafter`), the SpecFormer head (default: the pair's shipped
-one, ``zoo.load_specformer``) drafting chains of its k slots in one step, and the head's tree
-(the 7 best paths through its slots' top 3 tokens). Reported per drafter: tokens per step, tokens
-per second (median of ``--repeats`` interleaved runs), the speed ratio against autoregressive
-decoding measured in the same run, the share of wall time spent drafting, and, greedy, whether the
-output is identical to the autoregressive one (it must be: every drafter here is lossless). Also
-the head's held-out divergence and greedy agreement per slot on the pair's held-out corpus split.
+k=4, :class:`specdecode.drafters.ModelDrafter`), and each SpecFormer head (default: the pair's
+shipped ones, ``zoo.load_specformer``: the paper's and the root-aware one) drafting chains of its k
+slots in one step, and its tree (the 7 best paths through its slots' top 3 tokens). Reported per
+drafter: tokens per step, tokens per second (median of ``--repeats`` interleaved runs), the speed
+ratio against autoregressive decoding measured in the same run, the share of wall time spent
+drafting, and, greedy, whether the output is identical to the autoregressive one (it must be: every
+drafter here is lossless). Also each head's held-out divergence and greedy agreement per slot on the
+pair's held-out corpus split.
 
 Everything runs offline on the shipped weights.
 """
@@ -54,7 +55,9 @@ def run(target, make, prompts, batch, temperature, max_new):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--head", default=None, help="a saved head (default: the shipped one)")
+    p.add_argument(
+        "--head", action="append", default=None, help="a saved head (default: the shipped ones)"
+    )
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -64,32 +67,41 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     target, draft, tok = zoo.load("pycode")
-    head = zoo.load_specformer("pycode") if args.head is None else SpecFormerHead.load(args.head)
+    if args.head is None:
+        heads = [zoo.load_specformer("pycode", root_aware=r) for r in (False, True)]
+    else:
+        heads = [SpecFormerHead.load(f) for f in args.head]
     texts = humaneval_prompts(164)[-args.prompts :]
     prompts = [tok.encode(t, bos=True) for t in texts]
     print(
         f"# specformer_drafter: {len(prompts)} HumanEval prompts (the last ones), {args.max_new} "
-        f"new tokens; head k={head.k}, layers {head.target_layers}; "
+        f"new tokens; {len(heads)} head(s); "
         f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"{args.threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}"
     )
-    r = specformer_agreement(target, head, held_out_windows(tok, 256, 48))
-    print(
-        f"held-out corpus: KL(target || slot) {r['kl']:.4f} nats, greedy agreement "
-        f"{r['agreement']:.4f}; by slot: "
-        + ", ".join(f"{a:.4f}" for a in r["agreement_by_slot"])
-        + " (KL "
-        + ", ".join(f"{x:.3f}" for x in r["kl_by_slot"])
-        + ")"
-    )
+    windows = held_out_windows(tok, 256, 48)
     drafters = {
         "autoregressive": lambda: NoDrafter(),
         "draft model (chain, k=4)": lambda: ModelDrafter(draft, k=4),
-        f"SpecFormer (chain, k={head.k})": lambda: SpecFormerDrafter(head, target),
-        "SpecFormer (tree, 8 nodes)": lambda: SpecFormerDrafter(
-            head, target, mode="tree", branch=3, max_nodes=8
-        ),
     }
+    for head in heads:
+        kind = "root-aware" if head.root_aware else "paper's"
+        r = specformer_agreement(target, head, windows)
+        print(
+            f"{kind} head (k={head.k}, layers {head.target_layers}), held-out corpus: "
+            f"KL(target || slot) {r['kl']:.4f} nats, greedy agreement {r['agreement']:.4f}; "
+            "by slot: "
+            + ", ".join(f"{a:.4f}" for a in r["agreement_by_slot"])
+            + " (KL "
+            + ", ".join(f"{x:.3f}" for x in r["kl_by_slot"])
+            + ")"
+        )
+        drafters[f"SpecFormer {kind} (chain, k={head.k})"] = lambda head=head: SpecFormerDrafter(
+            head, target
+        )
+        drafters[f"SpecFormer {kind} (tree, 8 nodes)"] = lambda head=head: SpecFormerDrafter(
+            head, target, mode="tree", branch=3, max_nodes=8
+        )
     for make in drafters.values():  # warm-up
         run(target, make, prompts[:2], 2, 0.0, 8)
     print(

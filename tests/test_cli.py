@@ -115,7 +115,7 @@ def test_demo_prints_code_table_and_identical():
         line.split("  ")[0].strip(): line.split()
         for line in out.splitlines()
         if line.startswith(
-            ("autoregressive", "Cacheback", "draft model (", "steered draft", "SpecFormer")
+            ("autoregressive", "Cacheback", "draft model (", "steered draft", "SpecFormer", "root")
         )
     }
     assert set(rows) == {
@@ -125,6 +125,7 @@ def test_demo_prints_code_table_and_identical():
         "steered draft model (chain, k=3)",
         "draft model (tree, k=3)",
         "SpecFormer head (chain, k=3)",
+        "root-aware SpecFormer head (chain, k=3)",
         "Cacheback + draft model (chain, k=3)",
     }
     assert rows["autoregressive"][-1] == "1.00x"
@@ -658,11 +659,13 @@ def test_specformer_command_trains_saves_and_generate_uses_the_head(tmp_path, ca
     text.write_text(Path(shutil.__file__).read_text(encoding="utf-8"), encoding="utf-8")
     out = tmp_path / "pycode.sf"
     argv = ["specformer", "--out", str(out), "--text", str(text), "--seq-len", "64", "-k", "3"]
+    argv += ["--root-aware"]
     argv += ["--steps", "3", "--batch-size", "2", "--held-out-windows", "2", "--dtype", "float16"]
     code, printed, err = run_main([*argv, "--threads", "1"], capsys)
     assert code == 0, err
     head = SpecFormerHead.load(out)
     assert head.k == 3 and head.target_layers == (2, 4, 6) and head.target_hidden_size == 256
+    assert head.root_aware
     assert "held out: KL(target || slot)" in printed and "by slot: " in printed
     assert f"saved to {out}" in printed and "training windows" in err
     gen = ["generate", PROMPT, "--max-new-tokens", "8", "--no-echo", "--threads", "1"]
@@ -671,6 +674,8 @@ def test_specformer_command_trains_saves_and_generate_uses_the_head(tmp_path, ca
     specs = [["--specformer", str(out)]]
     if (zoo.path("pycode") / zoo.SPECFORMER_NAME).is_file():
         specs += [["--specformer", "pycode"], []]  # the pair's shipped head, named or default
+    if (zoo.path("pycode") / zoo.SPECFORMER_ROOT_NAME).is_file():
+        specs += [["--specformer", "pycode:root"]]
     for spec in specs:
         code, drafted, err = run_main([*gen, "--drafter", "specformer", *spec], capsys)
         assert code == 0, err
@@ -685,6 +690,10 @@ def test_specformer_option_errors(tmp_path, capsys):
     assert code == 2 and "--specformer: not used by --drafter model" in err
     missing = str(tmp_path / "none.sf")
     code, _, err = run_main([*gen, "--drafter", "specformer", "--specformer", missing], capsys)
+    assert code == 2 and "--specformer: path: no SpecFormer head file" in err
+    code, _, err = run_main(
+        [*gen, "--drafter", "specformer", "--specformer", "nopair:root"], capsys
+    )
     assert code == 2 and "--specformer: path: no SpecFormer head file" in err
     from specdecode.specformer import SpecFormerHead
 
@@ -705,6 +714,81 @@ def test_specformer_option_errors(tmp_path, capsys):
         ["specformer", "--out", str(tmp_path / "s"), "--text", "nope.txt"], capsys
     )
     assert code == 2 and "--text: nope.txt is not a file" in err
+
+
+# ---- edge ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@requires_pycode
+def test_generate_with_an_edge_worker_process(capsys, monkeypatch):
+    """``edge-worker`` in its own process (started before the server listens: it retries)
+    drafts for ``generate --drafter edge``: the same text as without a drafter."""
+    import os
+
+    monkeypatch.setenv(cli.EDGE_KEY_ENV, "a-test-secret")
+    port = free_port()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "specdecode", "edge-worker", "--connect", f"127.0.0.1:{port}"]
+        + ["--retry-for", "60", "-k", "4", "--threads", "1"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, cli.EDGE_KEY_ENV: "a-test-secret"},
+    )
+    try:
+        gen = ["generate", PROMPT, "--max-new-tokens", "24", "--no-echo", "--threads", "1"]
+        code, plain, _ = run_main([*gen, "--drafter", "none"], capsys)
+        assert code == 0
+        code, drafted, err = run_main(
+            [*gen, "--drafter", "edge", "--listen", f"127.0.0.1:{port}"], capsys
+        )
+        assert code == 0, err
+        assert drafted == plain
+        assert f"waiting for 1 draft worker on 127.0.0.1:{port}" in err and "[edge]" in err
+        _, worker_err = worker.communicate(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert worker.returncode == 0, worker_err
+    assert "ModelDrafter (model)" in worker_err and "the server closed the link" in worker_err
+
+
+@requires_pycode
+def test_edge_option_errors(capsys, monkeypatch):
+    gen = ["generate", PROMPT, "--max-new-tokens", "4"]
+    monkeypatch.delenv(cli.EDGE_KEY_ENV, raising=False)
+    code, _, err = run_main([*gen, "--drafter", "edge", "--listen", "127.0.0.1:0"], capsys)
+    assert code == 2 and f"{cli.EDGE_KEY_ENV}: set it" in err
+    monkeypatch.setenv(cli.EDGE_KEY_ENV, "short")
+    code, _, err = run_main(["edge-worker", "--connect", "127.0.0.1:1"], capsys)
+    assert code == 2 and "at least 8 characters" in err
+    monkeypatch.setenv(cli.EDGE_KEY_ENV, "long-enough-secret")
+    code, _, err = run_main([*gen, "--drafter", "edge"], capsys)
+    assert code == 2 and "--drafter edge: needs --listen HOST:PORT" in err
+    code, _, err = run_main([*gen, "--drafter", "edge", "--listen", "nohost"], capsys)
+    assert code == 2 and "--listen: expected HOST:PORT" in err
+    code, _, err = run_main([*gen, "--drafter", "model", "--listen", "127.0.0.1:7070"], capsys)
+    assert code == 2 and "--listen: not used by --drafter model" in err
+    code, _, err = run_main([*gen, "--drafter", "none", "--deadline", "0.1"], capsys)
+    assert code == 2 and "--deadline: not used by --drafter none" in err
+    code, _, err = run_main([*gen, "--drafter", "edge", "--deadline", "0"], capsys)
+    assert code == 2 and "expected a number > 0" in err
+    port = free_port()  # nobody listens there
+    code, _, err = run_main(["edge-worker", "--connect", f"127.0.0.1:{port}"], capsys)
+    assert code == 2 and f"--connect: 127.0.0.1:{port}: " in err
+    code, _, err = run_main(["edge-worker", "--connect", "x:1", "--model", "nope"], capsys)
+    assert code == 2 and "--model: unknown zoo pair 'nope'" in err
+    code, _, err = run_main(
+        ["edge-worker", "--connect", "x:1", "--drafter", "cacheback", "--draft-model", "d"], capsys
+    )
+    assert code == 2 and "--draft-model: not used by --drafter cacheback" in err
 
 
 # ---- steer ---------------------------------------------------------------------------------------

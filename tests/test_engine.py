@@ -5,6 +5,8 @@ request validation."""
 from __future__ import annotations
 
 import math
+import multiprocessing
+import threading
 from typing import Any
 
 import numpy as np
@@ -476,6 +478,8 @@ def sampling_models():
         "combined-branching",
         "specformer",
         "specformer-tree",
+        "specformer-root",
+        "edge",
     ],
 )
 def test_sampling_matches_the_target_distribution(kind, sampling_models):
@@ -512,9 +516,26 @@ def test_sampling_matches_the_target_distribution(kind, sampling_models):
         from specdecode.specformer import SpecFormerDrafter, SpecFormerHead
 
         torch.manual_seed(3)
-        head = SpecFormerHead.for_target(target, 3).eval()
+        head = SpecFormerHead.for_target(target, 3, root_aware=kind.endswith("root")).eval()
+        if head.root_aware:
+            with torch.no_grad():
+                head.root_proj.weight.normal_(0.0, 0.2)
         mode = "tree" if kind.endswith("tree") else "chain"
         drafter = SpecFormerDrafter(head, target, mode=mode, branch=2, max_nodes=6)
+    elif kind == "edge":
+        # Two draft workers behind one server (specdecode.edge): a sampling draft model and an
+        # n-gram drafter, so every batch mixes sampled and deterministic rows from the wire.
+        from specdecode.edge import RemoteDrafter, serve_drafter
+
+        conns = []
+        for part in (
+            ModelDrafter(draft, mode="chain", k=3),
+            CachebackDrafter(max_nodes=8, max_depth=3, max_sequences=4000),
+        ):
+            server_end, worker_end = multiprocessing.Pipe()
+            threading.Thread(target=serve_drafter, args=(worker_end, part), daemon=True).start()
+            conns.append(server_end)
+        drafter = RemoteDrafter(conns)
     else:
         drafter = make_drafter(kind, draft)
     counts = torch.zeros(SAMPLE_V**3, dtype=torch.float64)
@@ -532,6 +553,9 @@ def test_sampling_matches_the_target_distribution(kind, sampling_models):
         seqs = torch.tensor(out.sequences)
         index = seqs[:, 0] * SAMPLE_V**2 + seqs[:, 1] * SAMPLE_V + seqs[:, 2]
         counts += torch.bincount(index, minlength=SAMPLE_V**3).double()
+    if kind == "edge":
+        drafter.close()
+        assert drafter.stats.rounds[0] > 0 and drafter.stats.rounds[1] > 0
     if kind.startswith("combined"):
         assert drafter.primary.mixed_steps >= 2, drafter.primary.mixed_steps
     if kind == "combined-branching":

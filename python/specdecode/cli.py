@@ -1,5 +1,5 @@
-"""The ``specdecode`` command line: ``demo``, ``generate``, ``judge``, ``steer``, ``specformer``
-and ``info``.
+"""The ``specdecode`` command line: ``demo``, ``generate``, ``judge``, ``steer``, ``specformer``,
+``edge-worker`` and ``info``.
 
 * ``specdecode demo`` decodes a few Python prompts with the bundled ``pycode`` pair (target and
   draft of :mod:`specdecode.zoo`) with every drafter, prints the generated code and a table of
@@ -11,6 +11,8 @@ and ``info``.
 * ``specdecode judge`` fits an AutoJudge judge for ``generate --judge``;
   ``specdecode steer`` trains an SD² steering map for ``generate --steering``;
   ``specdecode specformer`` trains a SpecFormer draft head for ``generate --drafter specformer``.
+* ``specdecode edge-worker`` drafts, on this machine, for ``generate --drafter edge`` running on
+  another (:mod:`specdecode.edge`).
 * ``specdecode info`` reports the version, backends and devices.
 
 User errors (a missing model directory, an unknown zoo name or drafter, an empty prompt or one too
@@ -34,7 +36,7 @@ from typing import Any, Callable, List, Optional, Sequence, TextIO
 EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 
-DRAFTERS = ("none", "cacheback", "model", "model-tree", "combined", "specformer")
+DRAFTERS = ("none", "cacheback", "model", "model-tree", "combined", "specformer", "edge")
 # The drafters that run a draft model (the zoo pair's, or --draft-model's).
 MODEL_DRAFTERS = ("model", "model-tree", "combined")
 
@@ -105,6 +107,16 @@ def _temperature(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+_nonnegative_float = _temperature  # a finite number >= 0
+
+
+def _positive_float(text: str) -> float:
+    value = _temperature(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a number > 0, got 0")
     return value
 
 
@@ -309,6 +321,8 @@ def make_drafter(
         return CachebackDrafter(max_sequences=1, chain=False)
     if kind == "specformer":
         return specformer_drafter(loaded, specformer, k)
+    if kind == "edge":
+        raise CLIError("--drafter edge: its drafts come from workers; see edge_drafter")
     draft = loaded.draft
     if draft_dir is not None:
         draft = _load_dir(_check_model_dir(draft_dir, "--draft-model"), "--draft-model")
@@ -361,17 +375,19 @@ def specformer_drafter(loaded: LoadedModel, head: Any, k: int) -> Any:
 
 
 def _load_specformer(spec: Optional[str]) -> Any:
-    """``--specformer``: a zoo pair's shipped head (its name) or a file saved by
-    :meth:`specdecode.specformer.SpecFormerHead.save`; None without the option."""
+    """``--specformer``: a zoo pair's shipped head (its name; ``NAME:root`` its root-aware one)
+    or a file saved by :meth:`specdecode.specformer.SpecFormerHead.save`; None without the
+    option."""
     if spec is None:
         return None
     from .specformer import SpecFormerHead
 
     try:
-        if not _looks_like_path(spec) and spec in _zoo_names():
+        name, root = (spec[: -len(":root")], True) if spec.endswith(":root") else (spec, False)
+        if not _looks_like_path(spec) and name in _zoo_names():
             from . import zoo
 
-            return zoo.load_specformer(spec)
+            return zoo.load_specformer(name, root_aware=root)
         return SpecFormerHead.load(Path(spec).expanduser())
     except (FileNotFoundError, ValueError) as exc:
         raise CLIError(f"--specformer: {exc}") from None
@@ -392,6 +408,98 @@ def _check_draft_model_option(
                 f"{option}: not used by --drafter {kind} (only by --drafter "
                 f"{', '.join(MODEL_DRAFTERS)}); drop one of the two options"
             )
+
+
+EDGE_KEY_ENV = "SPECDECODE_EDGE_KEY"
+EDGE_CACHEBACK_SEQUENCES = 64  # an edge-worker's n-gram tables: sequences drafted at once
+
+
+def _edge_key() -> bytes:
+    """The shared secret of ``--drafter edge`` and ``edge-worker`` (the environment's
+    ``SPECDECODE_EDGE_KEY``; never an option, which would show in the process list)."""
+    key = os.environ.get(EDGE_KEY_ENV, "").encode()
+    if len(key) < 8:
+        raise CLIError(
+            f"{EDGE_KEY_ENV}: set it to the same secret of at least 8 characters on the server "
+            "and every worker (it authenticates the link, which carries pickles)"
+        )
+    return key
+
+
+def _host_port(text: str, option: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise CLIError(f"{option}: expected HOST:PORT (e.g. 127.0.0.1:7070), got {text!r}")
+    return host, int(port)
+
+
+def edge_drafter(listen: Optional[str], deadline: Optional[float], workers: int = 1) -> Any:
+    """``--drafter edge``: waits on ``listen`` for ``workers`` draft workers
+    (``specdecode edge-worker``) and drafts through them
+    (:class:`specdecode.edge.RemoteDrafter`)."""
+    from .edge import RemoteDrafter, WorkerError, WorkerListener
+
+    if listen is None:
+        raise CLIError("--drafter edge: needs --listen HOST:PORT (where the workers connect)")
+    address = _host_port(listen, "--listen")
+    key = _edge_key()
+    try:
+        with WorkerListener(address, key) as listener:
+            host, port = listener.address
+            sys.stderr.write(
+                f"[edge] waiting for {workers} draft worker{'s' if workers > 1 else ''} on "
+                f"{host}:{port} (specdecode edge-worker --connect {host}:{port})\n"
+            )
+            sys.stderr.flush()
+            conns = listener.accept(workers)
+        return RemoteDrafter(conns, deadline=deadline)
+    except OSError as exc:
+        raise CLIError(f"--listen: {listen}: {exc}") from None
+    except WorkerError as exc:
+        raise CLIError(f"--drafter edge: {exc}") from None
+
+
+def _edge_worker_drafter(args: argparse.Namespace) -> Any:
+    """The drafter ``edge-worker`` serves: the zoo pair's draft model or ``--draft-model DIR``
+    (no target is loaded on the worker), or Cacheback."""
+    from .drafters import CachebackDrafter, ModelDrafter
+
+    if args.drafter == "cacheback":
+        if args.draft_model is not None:
+            raise CLIError("--draft-model: not used by --drafter cacheback")
+        return CachebackDrafter(max_sequences=EDGE_CACHEBACK_SEQUENCES)
+    if args.draft_model is not None:
+        draft = _load_dir(_check_model_dir(args.draft_model, "--draft-model"), "--draft-model")
+    elif args.model in _zoo_names():
+        from . import zoo
+
+        draft = zoo.load(args.model)[1]
+    else:
+        raise CLIError(f"--model: unknown zoo pair {args.model!r}; or give --draft-model DIR")
+    draft = _move(draft, _device_option(args.device))
+    mode = "tree" if args.drafter == "model-tree" else "chain"
+    extra = dict(branch=2, beam=4, max_nodes=16) if mode == "tree" else {}
+    return ModelDrafter(draft, mode=mode, k=args.k, **extra)
+
+
+def _cmd_edge_worker(args: argparse.Namespace) -> int:
+    from .edge import connect_worker
+
+    address = _host_port(args.connect, "--connect")
+    key = _edge_key()
+    threads = _set_threads(args.threads, small_model=args.draft_model is None)
+    drafter = _edge_worker_drafter(args)
+    sys.stderr.write(
+        f"[edge-worker] {type(drafter).__name__} ({args.drafter}), {threads} torch "
+        f"thread{'s' if threads != 1 else ''}; connecting to {args.connect}\n"
+    )
+    sys.stderr.flush()
+    try:
+        served = connect_worker(address, key, drafter, retry_for=args.retry_for)
+    except OSError as exc:
+        raise CLIError(f"--connect: {args.connect}: {exc}") from None
+    sys.stderr.write(f"[edge-worker] the server closed the link after {served} requests\n")
+    return 0
 
 
 def combined_drafter(
@@ -520,16 +628,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"--specformer: not used by --drafter {args.drafter} (only by --drafter "
             "specformer); drop one of the two options"
         )
-    drafter = make_drafter(
-        args.drafter,
-        loaded,
-        args.draft_model,
-        args.k,
-        args.stop_below,
-        steering,
-        _load_specformer(args.specformer),
-    )
+    if args.drafter != "edge" and (args.listen, args.deadline) != (None, None):
+        option = "--listen" if args.listen is not None else "--deadline"
+        raise CLIError(
+            f"{option}: not used by --drafter {args.drafter} (only by --drafter edge); drop "
+            "one of the two options"
+        )
     judge = _load_judge(args.judge, args.temperature)
+    if args.drafter == "edge":
+        drafter = edge_drafter(args.listen, args.deadline)
+    else:
+        drafter = make_drafter(
+            args.drafter,
+            loaded,
+            args.draft_model,
+            args.k,
+            args.stop_below,
+            steering,
+            _load_specformer(args.specformer),
+        )
 
     from .engine import generate
 
@@ -554,6 +671,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
     except (TypeError, ValueError) as exc:
         raise CLIError(str(exc)) from None
+    finally:
+        close = getattr(drafter, "close", None)
+        if callable(close):  # an edge drafter tells its workers to stop
+            close()
     streamer.finish()
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -783,13 +904,13 @@ def _shipped_steering(name: str, device: Any) -> Any:
         return None
 
 
-def _shipped_specformer(name: str, device: Any) -> Any:
-    """The zoo pair's shipped SpecFormer head on ``device`` (the demo's SpecFormer row), or None
-    when the pair ships none."""
+def _shipped_specformer(name: str, device: Any, root_aware: bool = False) -> Any:
+    """The zoo pair's shipped SpecFormer head (the paper's or the root-aware one) on ``device``
+    (the demo's SpecFormer rows), or None when the pair ships none."""
     from . import zoo
 
     try:
-        return _move(zoo.load_specformer(name), device)
+        return _move(zoo.load_specformer(name, root_aware=root_aware), device)
     except FileNotFoundError:
         return None
 
@@ -836,8 +957,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         ),
         (f"Cacheback + draft model (chain, k={k})", lambda: combined_drafter(draft, k)),
     ]
-    head = _shipped_specformer(args.model, device)
-    if head is not None:
+    for root_aware, label in ((False, "SpecFormer head"), (True, "root-aware SpecFormer head")):
+        head = _shipped_specformer(args.model, device, root_aware)
+        if head is None:
+            continue
         from .specformer import SpecFormerDrafter
 
         depth = min(k, head.k)
@@ -845,8 +968,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         drafters.insert(
             len(drafters) - 1,
             (
-                f"SpecFormer head (chain, k={depth})",
-                lambda: SpecFormerDrafter(head, target, k=depth),
+                f"{label} (chain, k={depth})",
+                lambda head=head, depth=depth: SpecFormerDrafter(head, target, k=depth),
             ),
         )
 
@@ -1265,6 +1388,7 @@ def _cmd_specformer(args: argparse.Namespace) -> int:
             steps=args.steps,
             batch_size=args.batch_size,
             positions_per_window=args.positions,
+            root_aware=args.root_aware,
             lr=args.lr,
             held_out=held_out,
             seed=args.seed,
@@ -1361,7 +1485,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="none (autoregressive), cacheback (n-gram, default), model (draft model chain), "
         "model-tree (draft model dynamic tree), combined (cacheback, and the draft model's "
         "chain where cacheback has no draft), specformer (a SpecFormer head over the target's "
-        "hidden states: a chain in one step)",
+        "hidden states: a chain in one step), edge (drafts from specdecode edge-worker "
+        "processes, here or on other machines: see --listen)",
     )
     p_gen.add_argument(
         "--draft-model",
@@ -1403,10 +1528,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_gen.add_argument(
         "--specformer",
-        metavar="FILE|PAIR",
+        metavar="FILE|PAIR[:root]",
         default=None,
         help="--drafter specformer: the head, a file from specdecode specformer or a zoo pair's "
-        "shipped one (default: the zoo pair's)",
+        "shipped one: PAIR the paper's head, PAIR:root the root-aware one (default: the zoo "
+        "pair's paper head)",
+    )
+    p_gen.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        default=None,
+        help="--drafter edge: where to wait for a draft worker (specdecode edge-worker "
+        f"--connect HOST:PORT, with the same {EDGE_KEY_ENV} in both environments)",
+    )
+    p_gen.add_argument(
+        "--deadline",
+        metavar="SECONDS",
+        type=_positive_float,
+        default=None,
+        help="--drafter edge: wait at most this long for drafts per step; a late worker's "
+        "sequence takes the target's own token that step (default: wait)",
     )
     _add_device_argument(p_gen)
     p_gen.add_argument(
@@ -1525,7 +1666,51 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="draft slots (default 4)",
     )
+    p_sf.add_argument(
+        "--root-aware",
+        action="store_true",
+        help="a root-aware head (beyond the paper): the slots also read the round's root token",
+    )
     p_sf.set_defaults(func=_cmd_specformer)
+
+    p_edge = sub.add_parser(
+        "edge-worker",
+        help="serve drafts to generate --drafter edge on another process or machine",
+        description="Runs a drafter on this machine (an edge device) for a server running "
+        "specdecode generate --drafter edge --listen HOST:PORT: connects to it, drafts for the "
+        "sequences it sends, and exits when the server closes the link. The link is "
+        f"authenticated with the secret in {EDGE_KEY_ENV} (the same on both ends).",
+    )
+    p_edge.add_argument(
+        "--connect", required=True, metavar="HOST:PORT", help="the server's --listen address"
+    )
+    p_edge.add_argument(
+        "--model", default="pycode", help="a zoo pair whose draft model drafts (default: pycode)"
+    )
+    p_edge.add_argument(
+        "--draft-model",
+        metavar="DIR",
+        default=None,
+        help="a local Hugging Face draft model directory instead (the target's vocabulary)",
+    )
+    p_edge.add_argument(
+        "--drafter",
+        choices=("model", "model-tree", "cacheback"),
+        default="model",
+        help="model (draft model chain, default), model-tree (its dynamic tree), cacheback "
+        "(n-gram, no model)",
+    )
+    p_edge.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
+    p_edge.add_argument(
+        "--retry-for",
+        metavar="SECONDS",
+        type=_nonnegative_float,
+        default=0.0,
+        help="keep trying to connect this long while the server is not up yet (default 0)",
+    )
+    _add_device_argument(p_edge)
+    _add_threads_argument(p_edge)
+    p_edge.set_defaults(func=_cmd_edge_worker)
 
     p_info = sub.add_parser("info", help="version, backends, CUDA devices, threads")
     p_info.add_argument("--json", action="store_true", help="print machine-readable JSON")

@@ -23,7 +23,9 @@ next round's root) makes the next round's ``k`` drafts, for the ``k`` positions 
 So drafting costs one small head step per round, done right after verification; the root itself
 is not an input (the head predicts past it, as Medusa's heads do).
 
-:class:`SpecFormerHead` is the head, :func:`fit_specformer` trains it by distillation from a
+``SpecFormerHead(root_aware=True)`` goes beyond the paper: the slots also read the root token
+(through the target's input embedding), so the first slot drafts the token right after a known
+one. :class:`SpecFormerHead` is the head, :func:`fit_specformer` trains it by distillation from a
 frozen target on real text (per slot, KL from the target's distribution at the slot's position),
 :class:`SpecFormerDrafter` drafts with it (chains, sampled losslessly or greedy, or a tree of the
 slots' most likely tokens); the engine hands it the target's states
@@ -98,6 +100,14 @@ class SpecFormerHead(nn.Module):
         The draft block's MLP width (default ``3 H``).
     rope_theta : float
         RoPE base of the context block (positions are the sequence's).
+    root_aware : bool
+        An extension beyond the paper (False: the paper's head): the slots also read the
+        round's root token (the bonus or correction token the verify pass just produced),
+        through the target's input embedding, RMS-normalised and projected (zero at first)
+        onto the context output before the expansion. Slot 1 then drafts the token right after
+        a token it knows, as an autoregressive drafter does; the head's step moves from
+        :meth:`SpecFormerDrafter.follow` to :meth:`SpecFormerDrafter.propose` (the root is
+        known only once the step's tokens are committed).
 
     Notes
     -----
@@ -116,6 +126,7 @@ class SpecFormerHead(nn.Module):
         num_heads: int = 8,
         intermediate_size: Optional[int] = None,
         rope_theta: float = 10000.0,
+        root_aware: bool = False,
     ) -> None:
         super().__init__()
         h = _check_int("target_hidden_size", target_hidden_size, 2, 1 << 16)
@@ -151,6 +162,12 @@ class SpecFormerHead(nn.Module):
         self.draft_out = nn.Linear(h, h, bias=False)
         self.mlp_norm = RMSNorm(h, _EPS)
         self.mlp = MLP(SimpleNamespace(hidden_size=h, intermediate_size=width))
+        self.root_aware = bool(root_aware)
+        if self.root_aware:
+            self.root_norm = RMSNorm(h, _EPS)
+            self.root_proj = nn.Linear(h, h, bias=False)
+            with torch.no_grad():  # an untrained projection adds nothing: the paper's head
+                self.root_proj.weight.zero_()
         self._inv_freq: Optional[torch.Tensor] = None  # RoPE frequencies, made on first use
         # Per linear layer: (weight's (data_ptr, version), weight transposed, oneDNN-packed
         # weight or None), for inference (see _linear).
@@ -272,8 +289,15 @@ class SpecFormerHead(nn.Module):
         q, k, v = self.context_kv(x, positions)
         return self.context_attend(x, q, k, v, None)
 
-    def slots(self, c: torch.Tensor) -> torch.Tensor:
-        """The draft block: context outputs ``[..., H]`` -> slot states ``[..., k, H]``."""
+    def slots(self, c: torch.Tensor, roots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The draft block: context outputs ``[..., H]`` -> slot states ``[..., k, H]``;
+        ``roots`` ``[..., H]``: the roots' input embeddings (a root-aware head only)."""
+        if self.root_aware != (roots is not None):
+            raise ValueError(
+                "roots: a root-aware head needs the roots' embeddings, another head takes none"
+            )
+        if roots is not None:
+            c = c + self._linear(self.root_proj, self.root_norm(roots.to(c.dtype)))
         lead = c.shape[:-1]
         h = self.target_hidden_size
         z = self._linear(self.expand, self.expand_norm(c)).reshape(-1, self.k, h)
@@ -289,7 +313,9 @@ class SpecFormerHead(nn.Module):
         z = z + self._mlp(self.mlp_norm(z))
         return z.reshape(*lead, self.k, h)
 
-    def forward(self, hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, hidden: Sequence[torch.Tensor], roots: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Slot states at every position of whole windows.
 
         Parameters
@@ -297,6 +323,9 @@ class SpecFormerHead(nn.Module):
         hidden : sequence of torch.Tensor
             One floating ``[B, T, H]`` target state per index of :attr:`target_layers`, the
             windows starting at position 0.
+        roots : torch.Tensor, optional
+            A root-aware head: ``[B, T, H]``, at position ``t`` the input embedding of token
+            ``t + 1`` (the root of the round drafted from ``t``).
 
         Returns
         -------
@@ -304,7 +333,7 @@ class SpecFormerHead(nn.Module):
             float32 ``[B, T, k, H]``: slot ``i`` at position ``t`` stands for token ``t + 2 + i``
             (feed it to the target's final norm and LM head).
         """
-        return self.slots(self.context(self.features(hidden)))
+        return self.slots(self.context(self.features(hidden)), roots)
 
     # ---- files ---------------------------------------------------------------------------------
 
@@ -321,6 +350,7 @@ class SpecFormerHead(nn.Module):
             "num_heads": str(self.num_heads),
             "intermediate_size": str(self.intermediate_size),
             "rope_theta": repr(self.rope_theta),
+            "root_aware": "1" if self.root_aware else "0",
         }
         write_tensor_file(path, self.state_dict(), meta, dtype)
 
@@ -348,6 +378,7 @@ class SpecFormerHead(nn.Module):
                 num_heads=int(meta["num_heads"]),
                 intermediate_size=int(meta["intermediate_size"]),
                 rope_theta=float(meta["rope_theta"]),
+                root_aware=meta.get("root_aware", "0") == "1",
             )
             head.load_state_dict({n: t.float() for n, t in tensors.items()}, strict=True)
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
@@ -390,6 +421,18 @@ def output_layers(target: Any) -> tuple[nn.Module, nn.Module]:
     return norm, head
 
 
+def input_embeddings(target: Any) -> nn.Module:
+    """The target's input embedding (a root-aware head reads the root through it)."""
+    inner = getattr(target, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if embed is None:
+        get = getattr(inner, "get_input_embeddings", None)
+        embed = get() if callable(get) else None
+    if not isinstance(embed, nn.Module):
+        raise TypeError(f"target: found no input embedding in {type(target).__name__}")
+    return embed
+
+
 def slot_logits(z: torch.Tensor, norm: nn.Module, head: nn.Module) -> torch.Tensor:
     """The target's logits of slot states ``z`` ``[..., k, H]`` -> ``[..., k, V]`` (the target's
     final norm and LM head, in their dtype)."""
@@ -412,15 +455,23 @@ def _slot_positions(length: int, k: int, count: int, generator: torch.Generator)
 
 def _slot_log_probs(
     head: SpecFormerHead,
-    norm: nn.Module,
-    lm_head: nn.Module,
+    target: Any,
+    windows: torch.Tensor,
     hidden: list[torch.Tensor],
     positions: torch.Tensor,
 ) -> torch.Tensor:
     """The head's log-probabilities ``[B, P, k, V]`` at ``positions`` int64 ``[P]`` of whole
-    windows (the context block runs over all of them; the draft block at the picks only)."""
+    ``windows`` (the context block runs over all of them; the draft block at the picks only; a
+    root-aware head reads token ``t + 1`` at ``t``)."""
+    norm, lm_head = output_layers(target)
     c = head.context(head.features(hidden))
-    z = head.slots(c[:, positions.to(c.device)])
+    picks = positions.to(c.device)
+    roots = None
+    if head.root_aware:
+        with torch.no_grad():
+            ids = windows[:, positions + 1].to(target.device)
+            roots = input_embeddings(target)(ids).float()
+    z = head.slots(c[:, picks], roots)
     return torch.log_softmax(slot_logits(z, norm, lm_head).float(), dim=-1)
 
 
@@ -464,6 +515,7 @@ def fit_specformer(
     target_layers: Optional[Sequence[int]] = None,
     num_heads: Optional[int] = None,
     intermediate_size: Optional[int] = None,
+    root_aware: bool = False,
     held_out: Optional[torch.Tensor] = None,
     seed: int = 0,
     progress: bool = False,
@@ -495,6 +547,8 @@ def fit_specformer(
         The target's states to read (default: low, middle and high, as SD²'s).
     num_heads, intermediate_size : int, optional
         The head's sizes (defaults: :meth:`SpecFormerHead.for_target`).
+    root_aware : bool
+        Train a root-aware head (:class:`SpecFormerHead`; at ``t`` it reads token ``t + 1``).
     held_out : torch.Tensor, optional
         int64 ``[M, T']`` windows scored after training (:attr:`SpecFormerFit.held_out`).
     seed : int
@@ -506,7 +560,9 @@ def fit_specformer(
     -------
     SpecFormerFit
     """
-    norm, lm_head = output_layers(target)
+    output_layers(target)  # a clear error before any work
+    if root_aware:
+        input_embeddings(target)
     _check_int("k", k, 1, 64)
     vocab = int(target.vocab_size)
     windows = check_windows(windows, "windows", vocab, min_length=k + 2)
@@ -514,7 +570,7 @@ def fit_specformer(
         held_out = check_windows(held_out, "held_out", vocab, min_length=k + 2)
     check_training(steps, batch_size, lr)
     _check_int("positions_per_window", positions_per_window, 1, 1 << 20)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"root_aware": bool(root_aware)}
     if num_heads is not None:
         extra["num_heads"] = num_heads
     if intermediate_size is not None:
@@ -530,7 +586,7 @@ def fit_specformer(
         target_logp, hidden = target_pass(target, batch, head.target_layers)
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         positions = _slot_positions(batch.shape[1], k, positions_per_window, g)
-        head_logp = _slot_log_probs(head, norm, lm_head, hidden, positions)
+        head_logp = _slot_log_probs(head, target, batch, hidden, positions)
         wanted = _slot_targets(target_logp, positions, k)
         return divergence(wanted, head_logp, torch.ones(wanted.shape[:-1], dtype=torch.bool))[0]
 
@@ -576,7 +632,6 @@ def specformer_agreement(
         predictions whose argmax is the target's), each over all slots, and per slot as lists
         ``"kl_by_slot"``, ``"agreement_by_slot"`` (slot ``i`` drafts the ``i + 1``-th token).
     """
-    norm, lm_head = output_layers(target)
     windows = check_windows(windows, "windows", int(target.vocab_size), min_length=head.k + 2)
     k = head.k
     kl_sum = torch.zeros(k, dtype=torch.float64)
@@ -586,7 +641,7 @@ def specformer_agreement(
     for i in range(0, windows.shape[0], batch_size):
         batch = windows[i : i + batch_size]
         target_logp, hidden = target_pass(target, batch, head.target_layers)
-        head_logp = _slot_log_probs(head, norm, lm_head, hidden, positions)
+        head_logp = _slot_log_probs(head, target, batch, hidden, positions)
         wanted = _slot_targets(target_logp, positions, k)
         kl = (wanted.exp() * (wanted - head_logp)).sum(-1)  # [B, P, k]
         agree = (wanted.argmax(-1) == head_logp.argmax(-1)).double()
@@ -640,8 +695,10 @@ class SpecFormerDrafter(SlotSampling):
     The engine (``target_states = "path"``) calls :meth:`follow` after each verify pass with the
     target's states at each running row's root and accepted drafts, and after the prefill with
     those of the prompt but its last token; the head's step for the next round runs there, so
-    :meth:`propose` only reads (``proposes_chains`` in chain mode). A slot whose head output is
-    not for its current root (a one-token prompt's first round) drafts nothing.
+    :meth:`propose` only reads (``proposes_chains`` in chain mode). A root-aware head's draft
+    block runs in :meth:`propose`, once the root is known (still without side effects). A slot
+    whose head output is not for its current root (a one-token prompt's first round) drafts
+    nothing.
     """
 
     target_states = "path"
@@ -698,8 +755,10 @@ class SpecFormerDrafter(SlotSampling):
         self._length: dict[int, int] = {}  # positions each open slot's context holds
         self._seq: dict[int, list[int]] = {}
         # Per slot: the slot logits [k, V] (float32, CPU) for the round whose root sits at
-        # position `_made_for` (the context's length when they were made).
+        # position `_made_for` (the context's length when they were made); a root-aware head
+        # keeps the context output [H] there instead and makes the logits in propose.
         self._logits: dict[int, torch.Tensor] = {}
+        self._embed = input_embeddings(target) if head.root_aware else None
         self._made_for: dict[int, int] = {}
         self._init_sampling()
 
@@ -846,15 +905,21 @@ class SpecFormerDrafter(SlotSampling):
             self._values[rows_t.to(dev), :span],
             mask.to(dev),
         )[:, 0]
-        z = self.head.slots(c)
-        if self._head_logits is not None:
-            logits = self._head_logits(z).float().cpu()
-        else:
-            logits = slot_logits(z, self._norm, self._lm_head).float().cpu()
+        # A root-aware head waits for the root (propose); the paper's drafts right away.
+        made = c if self.head.root_aware else self._slot_logits(c, None)
         for i, slot in enumerate(slots_k):
             self._length[slot] = int(end[i])
-            self._logits[slot] = logits[i]
+            self._logits[slot] = made[i]
             self._made_for[slot] = int(end[i])
+
+    @torch.no_grad()
+    def _slot_logits(self, c: torch.Tensor, roots: Optional[torch.Tensor]) -> torch.Tensor:
+        """float32 CPU ``[R, k, V]`` from context outputs ``[R, H]`` (and root ids ``[R]``)."""
+        embedded = None if roots is None else self._embed(roots.to(self.device))
+        z = self.head.slots(c, embedded)
+        if self._head_logits is not None:
+            return self._head_logits(z).float().cpu()
+        return slot_logits(z, self._norm, self._lm_head).float().cpu()
 
     # ---- drafting ------------------------------------------------------------------------------
 
@@ -878,8 +943,13 @@ class SpecFormerDrafter(SlotSampling):
         ready = torch.tensor([self._ready(s) for s in slots], dtype=torch.bool)
         logits = torch.zeros((len(slots), self.k, self._vocab), dtype=torch.float32)
         for i, s in enumerate(slots):
-            if ready[i]:
+            if ready[i] and not self.head.root_aware:
                 logits[i] = self._logits[s][: self.k]
+        if self.head.root_aware and bool(ready.any()):
+            rows = torch.nonzero(ready).squeeze(1)
+            c = torch.stack([self._logits[slots[i]] for i in rows.tolist()])
+            roots = torch.tensor([self._seq[slots[i]][-1] for i in rows.tolist()])
+            logits[rows] = self._slot_logits(c, roots)[:, : self.k]
         return logits, ready
 
     def _propose_chain(self, slots: list[int]) -> Union[DraftTree, SampledDraftTree]:

@@ -131,13 +131,16 @@ def load_steering(name: str = "pycode") -> DraftSteering:
 
 
 SPECFORMER_NAME = "specformer.safetensors"
+SPECFORMER_ROOT_NAME = "specformer_root.safetensors"
 
 
-def load_specformer(name: str = "pycode") -> SpecFormerHead:
-    """The pair's trained SpecFormer draft head (:mod:`specdecode.specformer`) for its target.
+def load_specformer(name: str = "pycode", root_aware: bool = False) -> SpecFormerHead:
+    """The pair's trained SpecFormer draft head (:mod:`specdecode.specformer`) for its target:
+    the paper's, or with ``root_aware`` the head that also reads the round's root token.
 
-    Trained by ``specdecode specformer --model NAME --out .../specformer.safetensors``
-    (docs/zoo.md gives the command); stored in float16, returned in float32 on the CPU.
+    Trained by ``specdecode specformer --model NAME --out .../specformer.safetensors`` (and
+    ``--root-aware --out .../specformer_root.safetensors``; docs/zoo.md gives the commands);
+    stored in float16, returned in float32 on the CPU.
 
     Raises
     ------
@@ -146,7 +149,7 @@ def load_specformer(name: str = "pycode") -> SpecFormerHead:
     """
     from ..specformer import SpecFormerHead  # noqa: F811 (the annotation's class, at run time)
 
-    f = path(name) / SPECFORMER_NAME
+    f = path(name) / (SPECFORMER_ROOT_NAME if root_aware else SPECFORMER_NAME)
     if not f.is_file():
         raise FileNotFoundError(f"name: the pair {name!r} ships no SpecFormer head ({f})")
     return SpecFormerHead.load(f)
