@@ -31,3 +31,14 @@ def cuda_skip_reason() -> str:
 
 
 requires_cuda = pytest.mark.skipif(not cuda_available(), reason=cuda_skip_reason() or "cuda")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch intra-op thread for a module of tiny-model tests: on a small shared machine
+    more threads only add contention, and no result depends on the count. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -50,13 +50,7 @@ def run_main(argv, capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models: threads only add overhead on the shared machine, results do not depend on it.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

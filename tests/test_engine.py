@@ -24,14 +24,7 @@ V = 61
 PROMPT_LENS = [1, 7, 3, 12, 5, 9, 2, 15]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a loaded shared machine: intra-op threads only add contention (results do
-    not depend on the thread count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def prompts_for(batch: int, vocab: int = V, seed: int = 0) -> list[list[int]]:
