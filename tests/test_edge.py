@@ -246,6 +246,12 @@ def test_a_lost_worker_is_dropped_or_raises(target, draft, drop_lost):
         if not drop_lost:
             with pytest.raises(WorkerError, match="worker 1: connection lost"):
                 SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=16)
+            # The failed call's sequences were closed: the slots are free again (and the
+            # broken link still says so).
+            with pytest.raises(WorkerError, match="connection lost"):
+                drafter.start([0, 1], [[1, 2], [3, 4]])
+            drafter.start([0], [[1, 2]])  # on the live worker
+            assert drafter.propose([0]).num_nodes.tolist()[0] >= 1
             return
         out = SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=16)
         assert drafter.stats.lost == [False, True]

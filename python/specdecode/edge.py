@@ -637,11 +637,25 @@ class RemoteDrafter:
             self.stats.sequences[w] += 1
         for s, row in zip(slots_l, rows):
             self._root[s] = int(row[-1])
-        for w, idx in self._by_worker(slots_l).items():
-            # Prompts may outgrow a pipe's buffer: a late answer still being written would then
-            # block the worker while the server blocks on the prompts. Read it first.
-            self._drain(w)
-            self._post(w, "start", ([slots_l[i] for i in idx], [rows[i] for i in idx]))
+        started: list[tuple[int, list[int]]] = []
+        try:
+            for w, idx in self._by_worker(slots_l).items():
+                # Prompts may outgrow a pipe's buffer: a late answer still being written would
+                # then block the worker while the server blocks on the prompts. Read it first.
+                self._drain(w)
+                mine = [slots_l[i] for i in idx]
+                self._post(w, "start", (mine, [rows[i] for i in idx]))
+                started.append((w, mine))
+        except BaseException:  # the engine releases nothing whose start failed: undo it here
+            for w, mine in started:
+                try:
+                    self._post(w, "release", mine)
+                except WorkerError:
+                    pass
+            for s in slots_l:
+                self._worker.pop(s, None)
+                self._root.pop(s, None)
+            raise
 
     def configure(self, slots: Sequence[int], **sampling: Any) -> None:
         """Hands the sequences' sampling parameters to the workers whose drafters take them."""
@@ -668,11 +682,14 @@ class RemoteDrafter:
     def release(self, slots: Sequence[int]) -> None:
         """Closes the slots on their workers."""
         slots_l = [int(s) for s in slots]
-        for w, idx in self._by_worker(slots_l).items():
-            self._post(w, "release", [slots_l[i] for i in idx])
-        for s in slots_l:
-            del self._worker[s]
-            del self._root[s]
+        groups = self._by_worker(slots_l)  # a slot not open raises before anything changes
+        try:
+            for w, idx in groups.items():
+                self._post(w, "release", [slots_l[i] for i in idx])
+        finally:  # closed here even when a link broke on the way
+            for s in slots_l:
+                self._worker.pop(s, None)
+                self._root.pop(s, None)
 
     def propose(self, slots: Sequence[int]) -> Union[DraftTree, SampledDraftTree]:
         """Asks every worker for its sequences' trees at once and puts them together.
