@@ -785,6 +785,30 @@ def test_edge_option_errors(capsys, monkeypatch):
     assert code == 2 and "--draft-model: not used by --drafter cacheback" in err
 
 
+class BrokenDevice(NoDrafter):
+    def propose(self, slots):
+        raise RuntimeError("device fault")
+
+
+@requires_pycode
+def test_a_failing_edge_worker_ends_generate_with_one_line(capsys, monkeypatch):
+    import multiprocessing
+    import threading
+
+    from specdecode.edge import RemoteDrafter, serve_drafter
+
+    server_end, worker_end = multiprocessing.Pipe()
+    threading.Thread(target=serve_drafter, args=(worker_end, BrokenDevice()), daemon=True).start()
+    monkeypatch.setattr(cli, "edge_drafter", lambda listen, deadline: RemoteDrafter([server_end]))
+    code, _, err = run_main(
+        ["generate", PROMPT, "--max-new-tokens", "4", "--drafter", "edge", "--listen", "h:1"],
+        capsys,
+    )
+    assert code == 2, err
+    assert "--drafter edge: worker 0: propose: RuntimeError: device fault" in err
+    assert "Traceback" not in err
+
+
 # ---- steer ---------------------------------------------------------------------------------------
 
 

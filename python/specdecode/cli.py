@@ -322,7 +322,7 @@ def make_drafter(
     if kind == "specformer":
         return specformer_drafter(loaded, specformer, k)
     if kind == "edge":
-        raise CLIError("--drafter edge: its drafts come from workers; see edge_drafter")
+        raise CLIError("--drafter edge: needs --listen HOST:PORT (edge_drafter builds it)")
     draft = loaded.draft
     if draft_dir is not None:
         draft = _load_dir(_check_model_dir(draft_dir, "--draft-model"), "--draft-model")
@@ -671,6 +671,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
     except (TypeError, ValueError) as exc:
         raise CLIError(str(exc)) from None
+    except RuntimeError as exc:
+        from .edge import WorkerError
+
+        if isinstance(exc, WorkerError):  # a worker failed or went away: one line, no trace
+            raise CLIError(f"--drafter edge: {exc}") from None
+        raise
     finally:
         close = getattr(drafter, "close", None)
         if callable(close):  # an edge drafter tells its workers to stop
@@ -1502,7 +1508,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--top-k", type=_nonnegative_int, default=0, help="0 = off (default)")
     p_gen.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = off (default)")
     p_gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default random)")
-    p_gen.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
+    p_gen.add_argument(
+        "-k",
+        type=_positive_int,
+        default=3,
+        help="draft depth (default 3; with --drafter edge, the workers' own -k)",
+    )
     p_gen.add_argument(
         "--stop-below",
         metavar="P",
