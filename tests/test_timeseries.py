@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -477,6 +478,198 @@ def test_patch_forecaster_is_causal_and_shaped():
         model(torch.zeros((1, 3, 5)))
     with pytest.raises(ValueError, match="multiple of num_heads"):
         ts.PatchForecaster(4, dim=10, num_heads=4)
+
+
+def _feed_in_chunks(model, cache, x, rows, generator, start=None):
+    """Feeds ``x`` [R, L, P] to cache rows ``rows`` in random ragged chunks through ``extend``
+    (from window position ``start``, default 0); the outputs at every fed position."""
+    num_rows, length, _ = x.shape
+    position = torch.zeros(num_rows, dtype=torch.int64) if start is None else start.clone()
+    mean, std = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    with torch.no_grad():
+        while bool((position < length).any()):
+            live = (position < length).nonzero().squeeze(1)
+            counts = torch.randint(1, 5, (live.numel(),), generator=generator)
+            counts = counts.minimum(length - position[live])
+            index = (position[live][:, None] + torch.arange(int(counts.max()))).clamp(
+                max=length - 1
+            )
+            m, s = model.extend(cache, x[live[:, None], index], rows[live], position[live], counts)
+            for j, r in enumerate(live.tolist()):
+                at, c = int(position[r]), int(counts[j])
+                mean[r, at : at + c], std[r, at : at + c] = m[j, :c], s[j, :c]
+            position[live] += counts
+    return mean, std
+
+
+def test_extend_matches_forward_in_ragged_chunks_and_after_a_cut_back():
+    model = _tiny_forecaster(5, patch=3, max_patches=12)
+    x = torch.randn((4, 12, 3), generator=_gen(40))
+    with torch.no_grad():
+        want_mean, want_std = model(x)
+    cache = model.new_cache(6, 12)
+    assert len(cache.keys) == 2 and cache.keys[0].shape == (6, 12 + 1, 2, 8)  # + scratch slot
+    rows = torch.tensor([5, 0, 2, 3])  # cache rows in another order than the batch
+    mean, std = _feed_in_chunks(model, cache, x, rows, _gen(41))
+    torch.testing.assert_close(mean, want_mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(std, want_std, rtol=1e-5, atol=1e-5)
+    # Every row of a cache in order: the attention reads the cache in place.
+    mean, std = _feed_in_chunks(model, model.new_cache(4, 12), x, torch.arange(4), _gen(41))
+    torch.testing.assert_close(mean, want_mean, rtol=1e-5, atol=1e-5)
+    # Cut each row back to its own position and feed other patches from there: the outputs are
+    # those of the changed series, whatever the cache held past the cut.
+    cut = torch.tensor([0, 3, 7, 11])
+    changed = x.clone()
+    for r, at in enumerate(cut.tolist()):
+        changed[r, at:] = torch.randn((12 - at, 3), generator=_gen(42 + r))
+    with torch.no_grad():
+        want_mean, _ = model(changed)
+    mean, _ = _feed_in_chunks(model, cache, changed, rows, _gen(46), start=cut)
+    for r, at in enumerate(cut.tolist()):
+        torch.testing.assert_close(mean[r, at:], want_mean[r, at:], rtol=1e-5, atol=1e-5)
+
+
+def test_extend_and_new_cache_reject_bad_input():
+    model = _tiny_forecaster(5, patch=3, max_patches=12)
+    cache = model.new_cache(2, 8)
+    one = torch.ones(1, dtype=torch.int64)
+    zero = torch.zeros(1, dtype=torch.int64)
+    patches = torch.zeros((1, 2, 3))
+    with pytest.raises(ValueError, match="capacity: 13"):
+        model.new_cache(2, 13)
+    with pytest.raises(ValueError, match="batch"):
+        model.new_cache(0, 8)
+    with pytest.raises(ValueError, match="PatchCache from this model"):
+        model.extend(
+            _tiny_forecaster(6, max_patches=12).new_cache(2, 8)._replace(keys=[]),
+            patches,
+            zero,
+            zero,
+            one,
+        )
+    with pytest.raises(ValueError, match=r"patches: expected \[R, n, 3\]"):
+        model.extend(cache, torch.zeros((1, 0, 3)), zero, zero, one)
+    with pytest.raises(ValueError, match="counts: expected an int64 tensor"):
+        model.extend(cache, patches, zero, zero, one.int())
+    bad = [
+        (torch.tensor([2]), zero, one),  # no such cache row
+        (zero, torch.tensor([-1]), one),
+        (zero, zero, torch.tensor([3])),  # more than n = 2
+        (zero, torch.tensor([7]), torch.tensor([2])),  # past the capacity
+    ]
+    for rows, positions, counts in bad:
+        with pytest.raises(ValueError, match="positions \\+ counts <= 8"):
+            model.extend(cache, patches, rows, positions, counts)
+
+
+class _CountingForecaster(ts.PatchForecaster):
+    """A PatchForecaster that counts the patches fed to ``extend`` and shown to ``forward``, and
+    the rows that ``extend`` starts from window position 0."""
+
+    def __init__(self, seed: int, max_patches: int = 32) -> None:
+        torch.manual_seed(seed)
+        super().__init__(3, dim=16, num_layers=2, num_heads=2, max_patches=max_patches)
+        self.eval()
+        self.fed = self.shown = self.fresh_rows = 0
+
+    def forward(self, patches):
+        self.shown += patches.shape[0] * patches.shape[1]
+        return super().forward(patches)
+
+    def extend(self, cache, patches, rows, positions, counts):
+        self.fed += int(counts.sum())
+        self.fresh_rows += int((positions == 0).sum())
+        return super().extend(cache, patches, rows, positions, counts)
+
+
+def test_a_cached_forecast_feeds_each_patch_once_until_the_window_moves():
+    context = torch.randn((3, 5, 3), generator=_gen(47))
+    target = _CountingForecaster(9)
+    ts.forecast(target, context, 7, method="mean")
+    assert (target.fed, target.shown) == (3 * (5 + 6), 0)
+    # A window of 6: the calls for patches 7 .. 11 see a window that starts later each time, so
+    # each row is fed its whole window again (learned positions count from the window start).
+    target.fed = 0
+    ts.forecast(target, context, 7, method="mean", max_context=6)
+    assert target.fed == 3 * (5 + 1 + 5 * 6)
+    target.fed = 0
+    ts.forecast(target, context, 7, method="mean", use_cache=False)
+    assert target.fed == 0 and target.shown == 3 * sum(range(5, 12))
+
+
+def test_drafts_past_a_horizon_do_not_move_a_window_that_holds_it():
+    # Rows fall out of step (different acceptances); a step drafts k for the row furthest from
+    # its horizon, so the others draft past theirs. Those drafts are never committed and must
+    # not slide a window of exactly context + horizon patches: each row's caches start once.
+    target, draft, context = _close_pair(_CountingForecaster, max_patches=15)
+    out = ts.forecast(target, context, 11, draft=draft, num_draft=4, generator=_gen(51))
+    assert 0.2 < out.stats.acceptance_rate < 0.9 and len(set(out.stats.draft_lengths)) > 1
+    assert (target.fresh_rows, draft.fresh_rows) == (6, 6)
+
+
+def _close_pair(
+    make: Any = _tiny_forecaster, max_patches: int = 16
+) -> tuple[ts.PatchForecaster, ts.PatchForecaster, torch.Tensor]:
+    """A random target, a draft near it (accepted often, not always) and a context [6, 4, 3]."""
+    target, draft = make(10, max_patches=max_patches), make(11, max_patches=max_patches)
+    with torch.no_grad():
+        for ours, theirs in zip(draft.parameters(), target.parameters()):
+            ours.copy_(theirs + 0.05 * torch.randn(theirs.shape, generator=_gen(48)))
+    return target, draft, torch.randn((6, 4, 3), generator=_gen(49))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"method": "mean", "tolerance": 0.5, "num_draft": 3},
+        {"method": "mean", "tolerance": 0.5, "num_draft": 3, "max_context": 7},
+        {"method": "sample", "num_draft": 3},
+        {"method": "sample", "num_draft": 2, "max_context": 9},
+        {"method": "sample", "num_draft": 4, "lenience": 0.5, "num_samples": 2},
+    ],
+    ids=["mean", "mean-window", "sample", "sample-window", "sample-lenient"],
+)
+def test_a_cached_forecast_is_the_full_window_forecast(options):
+    # Rows accept different numbers of drafts, so both models' caches are cut back by
+    # different amounts per row and step; a cache that kept a rejected draft would change the
+    # acceptance and the forecast.
+    target, draft, context = _close_pair()
+    runs = [
+        ts.forecast(
+            target, context, 11, draft=draft, generator=_gen(50), use_cache=cache, **options
+        )
+        for cache in (True, False)
+    ]
+    torch.testing.assert_close(runs[0].forecast, runs[1].forecast, rtol=1e-4, atol=1e-4)
+    assert 0.0 < runs[0].stats.acceptance_rate < 1.0
+    for field in ("steps", "offered_by_position", "accepted_counts_by_position", "draft_lengths"):
+        assert getattr(runs[0].stats, field) == getattr(runs[1].stats, field), field
+
+
+def test_a_cached_draft_forgets_what_steps_without_it_overwrote(monkeypatch):
+    # Steps without drafts (the adaptive choice k = 0) leave the draft's cache behind the
+    # history; the patches those steps commit replace rejected drafts the cache still holds.
+    target, draft, context = _close_pair()
+    runs = []
+    for cache in (True, False):
+        schedule = iter([0, 3, 0, 0, 2, 0, 3] * 4)
+        monkeypatch.setattr(ts, "_best_draft_length", lambda *args, s=schedule: next(s))
+        out = ts.forecast(
+            target,
+            context,
+            11,
+            draft=draft,
+            num_draft=3,
+            adaptive=True,
+            method="mean",
+            tolerance=0.5,
+            use_cache=cache,
+        )
+        runs.append(out)
+    assert 0 in runs[0].stats.draft_lengths and 0.0 < runs[0].stats.acceptance_rate < 1.0
+    assert runs[0].stats.draft_lengths == runs[1].stats.draft_lengths
+    assert runs[0].stats.accepted_counts_by_position == runs[1].stats.accepted_counts_by_position
+    torch.testing.assert_close(runs[0].forecast, runs[1].forecast, rtol=1e-4, atol=1e-4)
 
 
 def test_fit_forecaster_learns_synthetic_series():

@@ -33,6 +33,14 @@ later patches), a Gaussian with diagonal covariance. An optional attribute ``max
 Rows of a batch hold histories of different lengths right-aligned at position 0 and padded on the
 right: a causal model's outputs at the valid positions do not see the padding.
 
+**The incremental protocol** (optional, :class:`PatchForecaster` has it): ``model.new_cache(batch,
+capacity)`` returns a cache of ``capacity`` window positions per row, and ``model.extend(cache,
+patches, rows, positions, counts)`` feeds cache row ``rows[r]`` its new patches
+``patches[r, :counts[r]]`` at window positions ``positions[r]`` on, returning the outputs at
+those positions as ``model(window)`` would. :func:`forecast` then feeds each model only what its
+cache lacks: the step's drafts and the patch committed before them, instead of the whole window
+at every call.
+
 Randomness comes from one ``torch.Generator`` (not the counter-based Philox streams of the token
 kernels): a forecast is reproducible for a given generator state, batch and draft length.
 """
@@ -55,6 +63,7 @@ __all__ = [
     "ForecastOutput",
     "ForecastStats",
     "GaussianVerifyOutput",
+    "PatchCache",
     "PatchForecaster",
     "distill_forecaster",
     "fit_forecaster",
@@ -435,21 +444,20 @@ def _max_patches(model: Any) -> Optional[int]:
     return None if limit is None else int(limit)
 
 
-def _call_forecaster(
-    model: Any, role: str, window: torch.Tensor
+def _check_outputs(
+    model: Any, role: str, result: Any, shape: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs a forecaster on ``[R, W, P]``; checks that it returned ``(mean, std)`` of that shape."""
-    result = model(window)
+    """Checks that a forecaster returned ``(mean, std)``, each of ``shape``."""
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         got = type(result).__name__
         raise ValueError(f"{role} forecaster {_model_name(model)}: expected (mean, std), got {got}")
     mean, std = result
     for name, t in (("mean", mean), ("std", std)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(window.shape):
-            shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(
                 f"{role} forecaster {_model_name(model)}: {name} must have the input's shape "
-                f"[B, L, P] = {list(window.shape)}, got {shape}"
+                f"[B, L, P] = {list(shape)}, got {got}"
             )
     return mean, std
 
@@ -459,50 +467,142 @@ def _window(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's last ``max_context`` patches before ``ends``, right-padded to one width.
 
-    Returns the window ``[R, W, P]`` and the index in it of each row's last patch. Invariant:
-    ``start + W <= history.shape[1]`` for every row (a row whose window starts later is at most
-    ``max_context`` wide, one that starts at 0 at most ``max(ends)``), so the gather stays in
-    bounds; what a row holds past its own end is padding its causal outputs do not see.
+    Returns the window ``[R, W, P]`` and the history index of each row's window position 0.
+    Invariant: ``start + W <= history.shape[1]`` for every row (a row whose window starts later
+    is at most ``max_context`` wide, one that starts at 0 at most ``max(ends)``), so the gather
+    stays in bounds; what a row holds past its own end is padding its causal outputs do not see.
     """
-    start = torch.zeros_like(ends) if max_context is None else (ends - max_context).clamp(min=0)
+    start = _window_start(ends, max_context)
     width = int((ends - start).max())
     index = start[:, None] + torch.arange(width, device=ends.device)
-    return history[rows[:, None], index], ends - start - 1
+    return history[rows[:, None], index], start
+
+
+def _window_start(ends: torch.Tensor, max_context: Optional[int]) -> torch.Tensor:
+    """The history index of the first patch a model sees when it is shown the patches before
+    ``ends``: the same for the full-window and the incremental calls, so that both condition
+    each patch on the same history."""
+    return torch.zeros_like(ends) if max_context is None else (ends - max_context).clamp(min=0)
+
+
+def _span(at: torch.Tensor, count: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a model must be shown to predict the patches at ``at + j`` (``j < count``) of rows
+    that need none at or after ``stop``.
+
+    Returns the end (exclusive) of the patches to show, ``min(at + count, stop) - 1``, and the
+    ``[R, count]`` positions of the outputs that predict them (the output at ``t`` predicts patch
+    ``t + 1``), the ones past the end repeating the last: entries for patches at or after
+    ``stop`` are placeholders, whatever a verification makes of them is never committed (a row's
+    horizon ends before ``stop``). Needs ``at >= 1`` and ``stop >= 2``. Stopping there keeps a
+    window from sliding for drafts past a row's horizon, which would move the learned positions
+    and, with a cache, cost a whole window's pass.
+    """
+    end = (at + count).clamp(max=stop) - 1
+    wanted = at[:, None] - 1 + torch.arange(count, device=at.device)
+    return end, torch.minimum(wanted, end[:, None] - 1)
+
+
+def _pick(
+    mean: torch.Tensor, std: torch.Tensor, index: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries ``index [R, count]`` of each row of two ``[R, W, P]``."""
+    rows = torch.arange(index.shape[0], device=index.device)[:, None]
+    return mean[rows, index].to(dtype), std[rows, index].to(dtype)
+
+
+class _WindowCalls:
+    """A forecaster shown each row's whole window at every call (the forecaster protocol)."""
+
+    def __init__(self, model: Any, role: str, max_context: Optional[int]) -> None:
+        self.model, self.role, self.max_context = model, role, max_context
+
+    def predict(
+        self, history: torch.Tensor, rows: torch.Tensor, at: torch.Tensor, count: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Gaussians of the patches at ``at .. at + count - 1``, each given the history
+        before it (placeholders from ``stop`` on, see :func:`_span`): two ``[R, count, P]``."""
+        end, positions = _span(at, count, stop)
+        window, start = _window(history, rows, end, self.max_context)
+        mean, std = _check_outputs(self.model, self.role, self.model(window), window.shape)
+        return _pick(mean, std, positions - start[:, None], history.dtype)
+
+    def forget(self, rows: torch.Tensor, changed: torch.Tensor) -> None:
+        """Nothing is kept between calls."""
+
+
+def _incremental(model: Any) -> bool:
+    """Whether a forecaster offers the incremental protocol (``new_cache`` and ``extend``)."""
+    return callable(getattr(model, "new_cache", None)) and callable(getattr(model, "extend", None))
+
+
+class _CachedCalls:
+    """A forecaster run incrementally: each call feeds only the patches its cache lacks.
+
+    Invariant: for every row ``b``, the cache holds the model's state of history positions
+    ``start[b] .. start[b] + cached[b] - 1`` at window positions ``0 .. cached[b] - 1``, and
+    those history entries have not changed since they were fed (``forget`` drops what a commit
+    overwrites). A row whose window start moves (its history outgrew ``max_context``) is fed
+    its whole window again: learned positions count from the window's start.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        role: str,
+        max_context: Optional[int],
+        batch: int,
+        capacity: int,
+        device: torch.device,
+    ) -> None:
+        self.model, self.role, self.max_context = model, role, max_context
+        self.cache = model.new_cache(batch, capacity)
+        self.cached = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.start = torch.zeros(batch, dtype=torch.int64, device=device)
+
+    def predict(
+        self, history: torch.Tensor, rows: torch.Tensor, at: torch.Tensor, count: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`_WindowCalls.predict`, feeding each row from its first uncached patch."""
+        end, positions = _span(at, count, stop)
+        start = _window_start(end, self.max_context)
+        cached = torch.where(start != self.start[rows], 0, self.cached[rows])
+        # The outputs are read from positions[:, 0] on: that patch must be fed.
+        first = start + torch.minimum(cached, positions[:, 0] - start)
+        counts = end - first
+        width = int(counts.max())
+        index = (first[:, None] + torch.arange(width, device=at.device)).clamp(
+            max=history.shape[1] - 1
+        )
+        patches = history[rows[:, None], index]
+        result = self.model.extend(self.cache, patches, rows, first - start, counts)
+        mean, std = _check_outputs(self.model, self.role, result, patches.shape)
+        self.start[rows] = start
+        self.cached[rows] = end - start
+        return _pick(mean, std, positions - first[:, None], history.dtype)
+
+    def forget(self, rows: torch.Tensor, changed: torch.Tensor) -> None:
+        """History positions ``changed[r]`` on of each row were overwritten: drop them."""
+        self.cached[rows] = torch.minimum(
+            self.cached[rows], (changed - self.start[rows]).clamp(min=0)
+        )
 
 
 def _draft_step(
     draft: Any,
     history: torch.Tensor,
     rows: torch.Tensor,
-    ends: torch.Tensor,
-    max_context: Optional[int],
+    at: torch.Tensor,
+    stop: int,
     method: str,
     generator: Optional[torch.Generator],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One draft patch per row after ``ends``: (patch, mean, std), each ``[R, P]``."""
-    window, last = _window(history, rows, ends, max_context)
-    mean, std = _call_forecaster(draft, "draft", window)
-    picked = torch.arange(rows.numel(), device=rows.device)
-    mean, std = mean[picked, last].to(history.dtype), std[picked, last].to(history.dtype)
+    """One draft patch per row at ``at``: (patch, mean, std), each ``[R, P]``; ``draft`` is a
+    :class:`_WindowCalls` or :class:`_CachedCalls`; rows at or past ``stop`` get placeholders."""
+    mean, std = draft.predict(history, rows, at, 1, stop)
+    mean, std = mean[:, 0], std[:, 0]
     if method == "mean":
         return mean, mean, std
     return _draw_gaussian(mean, std, generator), mean, std
-
-
-def _target_span(
-    target: Any,
-    history: torch.Tensor,
-    rows: torch.Tensor,
-    ends: torch.Tensor,
-    k: int,
-    max_context: Optional[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's Gaussians for the patches at ``ends .. ends + k``: two ``[R, k + 1, P]``."""
-    window, last = _window(history, rows, ends + k, max_context)
-    mean, std = _call_forecaster(target, "target", window)
-    positions = (last - k)[:, None] + torch.arange(k + 1, device=rows.device)
-    picked = torch.arange(rows.numel(), device=rows.device)[:, None]
-    return mean[picked, positions].to(history.dtype), std[picked, positions].to(history.dtype)
 
 
 def _check_forecast_args(
@@ -654,6 +754,7 @@ def forecast(
     num_samples: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     max_residual_draws: int = 1 << 20,
+    use_cache: bool = True,
     progress: bool = False,
 ) -> ForecastOutput:
     """Forecasts ``horizon`` patches per series, speculatively when a draft forecaster is given.
@@ -702,6 +803,14 @@ def forecast(
         Source of randomness (draws, acceptance tests), on the context's device.
     max_residual_draws : int
         As in :func:`verify_gaussian`.
+    use_cache : bool
+        Run each forecaster that offers the incremental protocol (``new_cache`` and ``extend``,
+        as :class:`PatchForecaster` does) on its key/value cache: a call feeds only the patches
+        the cache lacks (the correction or bonus patch and the drafts) instead of the whole
+        window. The law and the conditioning are those of the full-window calls; the numbers
+        agree up to float rounding. False shows every call the whole window (the forecaster
+        protocol). The caches hold ``B x window`` positions per forecaster (``B * S`` rows with
+        ``num_samples``).
     progress : bool
         Show a progress bar of forecast patches (tqdm if installed, else a line on stderr).
 
@@ -729,6 +838,7 @@ def forecast(
             max_context=max_context,
             generator=generator,
             max_residual_draws=max_residual_draws,
+            use_cache=use_cache,
             progress=progress,
         )
         shape = (context.shape[0], int(num_samples), *paths.forecast.shape[1:])
@@ -743,6 +853,15 @@ def forecast(
     goal = known + horizon
     stats = ForecastStats()
     policy = _DraftLength(k_max) if adaptive and k_max else None
+    capacity = history.shape[1] if window is None else min(window, history.shape[1])
+
+    def calls(model: Any, role: str) -> Any:
+        if use_cache and _incremental(model):
+            return _CachedCalls(model, role, window, batch, capacity, context.device)
+        return _WindowCalls(model, role, window)
+
+    target_calls = calls(target, "target")
+    draft_calls = calls(draft, "draft") if draft is not None else None
     bar = _Progress(batch * horizon, unit="patch", units="patches") if progress else None
     try:
         with torch.no_grad():
@@ -760,7 +879,7 @@ def forecast(
                 drafts, draft_means, draft_stds = [], [], []
                 for depth in range(k):
                     x, mean, std = _draft_step(
-                        draft, history, rows, ends + depth, window, method, generator
+                        draft_calls, history, rows, ends + depth, goal, method, generator
                     )
                     history[rows, ends + depth] = x
                     drafts.append(x)
@@ -769,7 +888,9 @@ def forecast(
                 stats.draft_calls += k
                 tock = time.perf_counter()
                 stats.draft_time += tock - tick
-                target_mean, target_std = _target_span(target, history, rows, ends, k, window)
+                # The target's Gaussians of the patches at ends .. ends + k (those past a
+                # row's horizon are placeholders: never committed).
+                target_mean, target_std = target_calls.predict(history, rows, ends, k + 1, goal)
                 if method == "mean":
                     out = verify_gaussian_mean(
                         _stack(draft_means, target_mean),
@@ -794,6 +915,9 @@ def forecast(
                     policy.observe(k, out.num_accepted, tock - tick, verified - tock)
                 stats.draft_lengths.append(k)
                 history[rows, ends + out.num_accepted] = out.next_patch
+                for model_calls in (target_calls, draft_calls):
+                    if model_calls is not None:
+                        model_calls.forget(rows, ends + out.num_accepted)
                 lengths[rows] = ends + out.num_accepted + 1
                 committed = int(torch.minimum(out.num_accepted + 1, remaining).sum())
                 stats.steps += 1
@@ -892,8 +1016,178 @@ class PatchForecaster(nn.Module):
         h = self.embed(patches) + self.position.weight[:length]
         mask = nn.Transformer.generate_square_subsequent_mask(length, device=patches.device)
         h = self.layers(h, mask=mask.to(h.dtype), is_causal=True)
+        return self._gaussians(patches, h)
+
+    def _gaussians(
+        self, patches: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head: the next patch's mean (an offset from the last value) and std."""
         offset, raw_std = self.head(self.norm(h)).split(self.patch_len, -1)
         return patches[..., -1:] + offset, F.softplus(raw_std) + self.min_std
+
+    def new_cache(self, batch: int, capacity: int) -> PatchCache:
+        """An empty key/value cache for :meth:`extend`.
+
+        Parameters
+        ----------
+        batch : int
+            Rows (series) the cache holds.
+        capacity : int
+            Window positions per row, at most ``max_patches``.
+
+        Returns
+        -------
+        PatchCache
+            Keys and values ``[batch, capacity + 1, num_heads, dim / num_heads]`` per layer (the
+            last position takes the padding's writes), in the model's dtype and on its
+            device.
+        """
+        check_positive_int("batch", batch)
+        check_positive_int("capacity", capacity)
+        if capacity > self.max_patches:
+            raise ValueError(
+                f"capacity: {capacity}, but the model takes {self.max_patches} patches"
+            )
+        weight = self.embed.weight
+        heads = self._attention(0).num_heads
+        shape = (int(batch), int(capacity) + 1, heads, self.dim // heads)
+        layers = range(len(self.layers.layers))
+        return PatchCache(
+            [weight.new_zeros(shape) for _ in layers], [weight.new_zeros(shape) for _ in layers]
+        )
+
+    def extend(
+        self,
+        cache: PatchCache,
+        patches: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feeds new patches of some rows to the cache; the Gaussians after each of them.
+
+        The incremental form of :meth:`forward`: row ``rows[r]`` of the cache holds the keys and
+        values of its window positions ``0 .. positions[r] - 1``; its first ``counts[r]``
+        patches go to positions ``positions[r]`` on and attend to those and to each other
+        causally. What the cache holds at or after a row's ``positions[r] + counts[r]`` is never
+        read for its outputs, so a row is cut back by passing a smaller position.
+
+        Parameters
+        ----------
+        cache : PatchCache
+            From :meth:`new_cache`; updated in place.
+        patches : torch.Tensor
+            Float ``[R, n, P]``: row ``r``'s first ``counts[r]`` entries are its new patches, the
+            rest padding.
+        rows, positions, counts : torch.Tensor
+            int64 ``[R]``: the cache row (distinct), the window position of the first new patch
+            and the number of new patches (``1 <= counts <= n``,
+            ``positions + counts <= capacity``) of each row.
+
+        Returns
+        -------
+        mean, std : torch.Tensor
+            ``[R, n, P]``: entry ``i < counts[r]`` is the distribution of the patch after new
+            patch ``i`` (given the row's window up to it, as :meth:`forward` would give it);
+            entries past ``counts[r]`` are meaningless.
+        """
+        num_rows, width, span, in_order = self._check_extend(
+            cache, patches, rows, positions, counts
+        )
+        device = patches.device
+        offsets = torch.arange(width, device=device)
+        where = positions[:, None] + offsets  # [R, n] window positions of the new patches
+        # Padding takes some position's embedding (its outputs are never read) and writes its
+        # keys and values to the scratch slot past the capacity, which no row ever attends to.
+        h = self.embed(patches) + self.position.weight[where.clamp(max=self.max_patches - 1)]
+        scratch = cache.keys[0].shape[1] - 1
+        slots = torch.where(offsets < counts[:, None], where, scratch)
+        visible = torch.arange(span, device=device) <= where[..., None]  # causal, [R, n, span]
+        for index, (keys, values) in enumerate(zip(cache.keys, cache.values)):
+            layer, attention = self.layers.layers[index], self._attention(index)
+            heads = attention.num_heads
+            qkv = F.linear(layer.norm1(h), attention.in_proj_weight, attention.in_proj_bias)
+            q, k, v = qkv.view(num_rows, width, 3, heads, -1).unbind(2)
+            keys[rows[:, None], slots] = k
+            values[rows[:, None], slots] = v
+            # All rows in order (the common case) attend to views; others to gathered copies.
+            held_keys = keys[:, :span] if in_order else keys[rows, :span]
+            held_values = values[:, :span] if in_order else values[rows, :span]
+            mixed = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                held_keys.transpose(1, 2),
+                held_values.transpose(1, 2),
+                attn_mask=visible[:, None],
+            )
+            h = h + attention.out_proj(mixed.transpose(1, 2).reshape(num_rows, width, -1))
+            h = h + layer.linear2(layer.activation(layer.linear1(layer.norm2(h))))
+        return self._gaussians(patches, h)
+
+    @property
+    def dim(self) -> int:
+        return int(self.embed.out_features)
+
+    def _attention(self, index: int) -> nn.MultiheadAttention:
+        return self.layers.layers[index].self_attn
+
+    def _check_extend(
+        self,
+        cache: Any,
+        patches: torch.Tensor,
+        rows: Any,
+        positions: Any,
+        counts: Any,
+    ) -> tuple[int, int, int, bool]:
+        """Checks :meth:`extend`'s arguments with one read of their values; returns ``R``,
+        ``n``, the positions the rows' attention spans and whether ``rows`` is every row of the
+        cache in order."""
+        if not isinstance(cache, PatchCache) or len(cache.keys) != len(self.layers.layers):
+            raise ValueError("cache: expected a PatchCache from this model's new_cache")
+        if patches.dim() != 3 or patches.shape[2] != self.patch_len or 0 in patches.shape[:2]:
+            raise ValueError(
+                f"patches: expected [R, n, {self.patch_len}] with R, n >= 1, "
+                f"got shape {list(patches.shape)}"
+            )
+        num_rows, width = int(patches.shape[0]), int(patches.shape[1])
+        batch, capacity = int(cache.keys[0].shape[0]), int(cache.keys[0].shape[1]) - 1
+        for name, t in (("rows", rows), ("positions", positions), ("counts", counts)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.shape != (num_rows,):
+                raise ValueError(f"{name}: expected an int64 tensor [R] = [{num_rows}]")
+            if t.device != patches.device:
+                raise ValueError(f"{name}: on {t.device}, patches on {patches.device}")
+        ends = positions + counts
+        summary = torch.stack(
+            [
+                (
+                    ((rows >= 0) & (rows < batch)).all()
+                    & (positions >= 0).all()
+                    & ((counts >= 1) & (counts <= width)).all()
+                    & (ends <= capacity).all()
+                ).long(),
+                ends.max(),
+                (rows == torch.arange(num_rows, device=rows.device)).all().long(),
+            ]
+        ).tolist()
+        if not summary[0]:
+            raise ValueError(
+                f"rows, positions, counts: need 0 <= rows < {batch}, positions >= 0, "
+                f"1 <= counts <= {width} and positions + counts <= {capacity} (the capacity)"
+            )
+        return num_rows, width, int(summary[1]), num_rows == batch and bool(summary[2])
+
+
+class PatchCache(NamedTuple):
+    """The key/value cache of a :class:`PatchForecaster` (:meth:`PatchForecaster.new_cache`).
+
+    Attributes
+    ----------
+    keys, values : list of torch.Tensor
+        One ``[B, capacity, num_heads, head_dim]`` per layer: row ``b``'s keys and values at
+        each window position.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
 
 
 def synthetic_series(
