@@ -815,6 +815,59 @@ def test_adaptive_draft_length_follows_the_acceptance_and_keeps_the_law():
     assert len(mixed.stats.draft_lengths) == mixed.stats.steps
 
 
+class _FedCostAR(ARForecaster):
+    """An AR(1) forecaster on the incremental protocol whose call sleeps ``base`` seconds plus
+    ``per_patch`` per patch fed (the widest row's): the cost of a target on a key/value cache,
+    which grows with the drafts it verifies."""
+
+    def __init__(self, phi: float, sigma: float, base: float, per_patch: float) -> None:
+        super().__init__(phi, sigma)
+        self.base, self.per_patch = base, per_patch
+
+    def new_cache(self, batch: int, capacity: int) -> None:
+        return None  # an AR(1) forecast needs no state
+
+    def extend(self, cache, patches, rows, positions, counts):
+        time.sleep(self.base + self.per_patch * patches.shape[1])
+        return self.phi * patches, torch.full_like(patches, self.sigma)
+
+
+def test_adaptive_draft_length_prices_the_drafts_a_cached_target_is_fed():
+    # A call after k drafts costs 0.5 + 5 (k + 1) ms. With under half the drafts accepted the
+    # target alone is cheapest per patch (5.5 ms against 7 ms or more at k >= 1), which a cost
+    # flat in k (the mean call, 25.5 ms at k = 4) would miss.
+    context = _ar_context(8)
+    target = _FedCostAR(0.9, 0.5, base=0.0005, per_patch=0.005)
+    half = ts.forecast(
+        target,
+        context,
+        30,
+        draft=ARForecaster(0.4, 0.8),
+        num_draft=4,
+        adaptive=True,
+        generator=_gen(37),
+    )
+    lengths = half.stats.draft_lengths
+    assert 0.1 < half.stats.acceptance_rate < 0.6
+    assert lengths[:3] == [4, 4, 0]  # the first step, one measured, then the target alone
+    assert sum(k > 1 for k in lengths[3:]) <= 2 and 2 * lengths[3:].count(0) >= len(lengths) - 3
+    # Calls of 10 + 2 (k + 1) ms and a draft that is always accepted: 5 patches for 20 ms at
+    # k = 4 beat 12 ms per patch alone, so it keeps drafting, with two steps that measure the
+    # target alone.
+    target = _FedCostAR(0.9, 0.5, base=0.01, per_patch=0.002)
+    every = ts.forecast(
+        target,
+        context,
+        30,
+        draft=ARForecaster(0.9, 0.5),
+        num_draft=4,
+        adaptive=True,
+        generator=_gen(38),
+    )
+    assert every.stats.acceptance_rate == 1.0
+    assert every.stats.draft_lengths.count(0) <= 2 and every.stats.draft_lengths[:2] == [4, 4]
+
+
 def test_num_samples_draws_independent_paths_per_series():
     target, draft = ARForecaster(0.9, 0.5), ARForecaster(0.5, 0.9)
     context = _ar_context(3)

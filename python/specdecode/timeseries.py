@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -675,53 +675,89 @@ def _expected_patches(alpha: float, k: int) -> float:
 
 
 def _best_draft_length(
-    alpha: float, target_seconds: float, draft_seconds: float, k_max: int
+    alpha: float, target_seconds: Union[float, Sequence[float]], draft_seconds: float, k_max: int
 ) -> int:
     """The ``k`` in ``0..k_max`` that commits the most patches per second: a step costs one
     target call and ``k`` draft calls (the i.i.d. acceptance model of Leviathan et al., 2023);
-    ``k = 0`` is the target alone, one patch per call."""
+    ``k = 0`` is the target alone, one patch per call. ``target_seconds`` is one cost for every
+    ``k`` or ``k_max + 1`` costs, entry ``k`` the target call (with its verification) after
+    ``k`` drafts."""
+    if isinstance(target_seconds, (int, float)):
+        target_seconds = [float(target_seconds)] * (k_max + 1)
     rates = [
-        _expected_patches(alpha, k) / (target_seconds + k * draft_seconds) for k in range(k_max + 1)
+        _expected_patches(alpha, k) / (target_seconds[k] + k * draft_seconds)
+        for k in range(k_max + 1)
     ]
     return max(range(len(rates)), key=rates.__getitem__)
+
+
+def _cost_line(points: dict[int, list[float]], k_max: int) -> list[float]:
+    """Mean seconds per call at each ``k`` in ``0..k_max``, from ``{k: [seconds, calls]}``: the
+    least-squares line through the measured means (slope >= 0; flat with one ``k`` measured).
+    """
+    ks = sorted(points)
+    means = [points[k][0] / points[k][1] for k in ks]
+    if len(ks) == 1:
+        return [means[0]] * (k_max + 1)
+    k_mean, y_mean = sum(ks) / len(ks), sum(means) / len(means)
+    spread = sum((k - k_mean) ** 2 for k in ks)
+    slope = max(0.0, sum((k - k_mean) * (y - y_mean) for k, y in zip(ks, means)) / spread)
+    floor = min(means) / 2  # a line fitted to noise must not make any call free
+    return [max(floor, y_mean + slope * (k - k_mean)) for k in range(k_max + 1)]
 
 
 class _DraftLength:
     """Chooses each step's draft length from what the steps before measured.
 
     The acceptance rate is estimated as accepted / tested drafts (a row of ``k`` drafts tests
-    ``min(accepted + 1, k)``), with one success and one failure as a prior; the costs are the
-    mean seconds per target call (with its verification) and per draft call. The first step
-    drafts ``k_max``. Where drafting does not pay (``k = 0`` is best), every ``explore_every``-th
-    step still drafts one patch so that the estimate can recover. Choosing ``k`` from past steps
+    ``min(accepted + 1, k)``), with one success and one failure as a prior. The costs are the
+    mean seconds per draft call and the target call's seconds (with its verification) as a line
+    in ``k``, fitted to the mean at each ``k`` tried: a target on a key/value cache is fed the
+    ``k`` drafts and one patch, so its call costs more with more drafts; one shown its whole
+    window costs about the same. The first step, which also feeds both models the whole
+    context (their caches' prefill), only stands in until later steps are measured. The first
+    step drafts ``k_max``. While drafting pays and the target alone has been measured fewer than
+    ``probes`` times, one step in ``explore_every`` goes without drafts (the line needs a second
+    point); where drafting does not pay (``k = 0`` is best), one step in ``explore_every`` still
+    drafts one patch so that the acceptance estimate can recover. Choosing ``k`` from past steps
     keeps a lossless forecast lossless: each step's output law holds given everything before
     it, whatever ``k`` that step used.
     """
 
     explore_every = 8
+    probes = 2
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
         self.accepted, self.tested = 1, 2
-        self.target_seconds, self.target_calls = 0.0, 0
+        self.target_costs: dict[int, list[float]] = {}  # k -> [seconds, calls], after the first
         self.draft_seconds, self.draft_calls = 0.0, 0
+        self.first: Optional[tuple[int, float, float]] = None  # k, draft and target seconds
         self.steps_without_draft = 0
+        self.steps_since_alone = self.explore_every
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.tested
 
     def choose(self) -> int:
-        if not (self.target_calls and self.draft_calls):
+        if self.first is None:
             return self.k_max
-        k = _best_draft_length(
-            self.acceptance,
-            self.target_seconds / self.target_calls,
-            self.draft_seconds / self.draft_calls,
-            self.k_max,
-        )
+        if self.target_costs:
+            target = _cost_line(self.target_costs, self.k_max)
+        else:
+            target = [self.first[2]] * (self.k_max + 1)
+        if self.draft_calls:
+            draft = self.draft_seconds / self.draft_calls
+        else:
+            draft = self.first[1] / max(self.first[0], 1)
+        k = _best_draft_length(self.acceptance, target, draft, self.k_max)
         if k == 0 and self.steps_without_draft + 1 >= self.explore_every:
             return 1
+        alone = self.target_costs.get(0, [0.0, 0])[1]
+        if k > 0 and self.target_costs and alone < self.probes:
+            if self.steps_since_alone >= self.explore_every:
+                return 0
         return k
 
     def observe(
@@ -730,13 +766,20 @@ class _DraftLength:
         if k:
             self.accepted += int(num_accepted.sum())
             self.tested += int(torch.clamp(num_accepted + 1, max=k).sum())
-            self.draft_seconds += draft_seconds
-            self.draft_calls += k
             self.steps_without_draft = 0
+            self.steps_since_alone += 1
         else:
             self.steps_without_draft += 1
-        self.target_seconds += target_seconds
-        self.target_calls += 1
+            self.steps_since_alone = 0
+        if self.first is None:
+            self.first = (k, draft_seconds, target_seconds)
+            return
+        if k:
+            self.draft_seconds += draft_seconds
+            self.draft_calls += k
+        cost = self.target_costs.setdefault(k, [0.0, 0])
+        cost[0] += target_seconds
+        cost[1] += 1
 
 
 def forecast(
@@ -779,8 +822,9 @@ def forecast(
         Choose each step's ``k`` in ``0..num_draft`` that commits the most patches per second,
         by the i.i.d. acceptance model (``1 + a + ... + a^k`` patches for one target call and
         ``k`` draft calls) with the acceptance rate ``a`` and the call costs measured in this
-        call so far; where no drafting pays, one step in 8 still drafts one patch. Keeps the law
-        of a lossless forecast.
+        call so far (the target's as a line in ``k``: on a cache it is fed the drafts); where no
+        drafting pays, one step in 8 still drafts one patch, and while drafting pays, two steps
+        measure the target alone. Keeps the law of a lossless forecast.
     method : {"sample", "mean"}
         ``"sample"``: sample paths, verified by :func:`verify_gaussian`. ``"mean"``: point
         forecasts (each model's mean), verified by :func:`verify_gaussian_mean`.
@@ -794,7 +838,9 @@ def forecast(
         ``max_patches`` of the two forecasters, or unbounded. Once a history is longer, one
         target call covers the history's last ``max_context - k`` patches plus the ``k`` drafts,
         so a verified patch is conditioned on ``max_context - k`` to ``max_context`` patches; its
-        law is the target's given exactly those.
+        law is the target's given exactly those. Drafts past a series' horizon (a step drafts
+        ``k`` for the series furthest from its end) are not shown to the target: they would
+        never be committed.
     num_samples : int, optional
         ``method="sample"`` only: draw ``S = num_samples`` independent paths per series (for
         quantiles and intervals), all in one batch of ``B * S`` rows; the forecast is then
