@@ -716,16 +716,15 @@ class _DraftLength:
     ``k`` drafts and one patch, so its call costs more with more drafts; one shown its whole
     window costs about the same. The first step, which also feeds both models the whole
     context (their caches' prefill), only stands in until later steps are measured. The first
-    step drafts ``k_max``. While drafting pays and the target alone has been measured fewer than
-    ``probes`` times, one step in ``explore_every`` goes without drafts (the line needs a second
-    point); where drafting does not pay (``k = 0`` is best), one step in ``explore_every`` still
+    step drafts ``k_max``. While drafting pays and the target alone has not been measured, the
+    next step goes without drafts (the line needs a second point; horizons are short, so once);
+    where drafting does not pay (``k = 0`` is best), one step in ``explore_every`` still
     drafts one patch so that the acceptance estimate can recover. Choosing ``k`` from past steps
     keeps a lossless forecast lossless: each step's output law holds given everything before
     it, whatever ``k`` that step used.
     """
 
     explore_every = 8
-    probes = 2
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
@@ -734,7 +733,6 @@ class _DraftLength:
         self.draft_seconds, self.draft_calls = 0.0, 0
         self.first: Optional[tuple[int, float, float]] = None  # k, draft and target seconds
         self.steps_without_draft = 0
-        self.steps_since_alone = self.explore_every
 
     @property
     def acceptance(self) -> float:
@@ -754,10 +752,8 @@ class _DraftLength:
         k = _best_draft_length(self.acceptance, target, draft, self.k_max)
         if k == 0 and self.steps_without_draft + 1 >= self.explore_every:
             return 1
-        alone = self.target_costs.get(0, [0.0, 0])[1]
-        if k > 0 and self.target_costs and alone < self.probes:
-            if self.steps_since_alone >= self.explore_every:
-                return 0
+        if k > 0 and self.target_costs and 0 not in self.target_costs:
+            return 0  # the target alone, measured once: the cost line's second point
         return k
 
     def observe(
@@ -767,10 +763,8 @@ class _DraftLength:
             self.accepted += int(num_accepted.sum())
             self.tested += int(torch.clamp(num_accepted + 1, max=k).sum())
             self.steps_without_draft = 0
-            self.steps_since_alone += 1
         else:
             self.steps_without_draft += 1
-            self.steps_since_alone = 0
         if self.first is None:
             self.first = (k, draft_seconds, target_seconds)
             return
@@ -823,8 +817,8 @@ def forecast(
         by the i.i.d. acceptance model (``1 + a + ... + a^k`` patches for one target call and
         ``k`` draft calls) with the acceptance rate ``a`` and the call costs measured in this
         call so far (the target's as a line in ``k``: on a cache it is fed the drafts); where no
-        drafting pays, one step in 8 still drafts one patch, and while drafting pays, two steps
-        measure the target alone. Keeps the law of a lossless forecast.
+        drafting pays, one step in 8 still drafts one patch, and while drafting pays, one step
+        measures the target alone. Keeps the law of a lossless forecast.
     method : {"sample", "mean"}
         ``"sample"``: sample paths, verified by :func:`verify_gaussian`. ``"mean"``: point
         forecasts (each model's mean), verified by :func:`verify_gaussian_mean`.
