@@ -1202,6 +1202,40 @@ def test_steer_with_ragged_rows_and_long_chunked_chains():
     assert torch.count_nonzero(got[1, 3:]) == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_steer_adds_after_each_decoder_layer_as_our_transformer_does(family):
+    theirs = gpt2_model() if family == "gpt2" else hf_model(family)
+    model = HFCausalLM(theirs)
+    hidden, layers = model.config.hidden_size, model.num_hidden_layers
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, V, (2, 7), generator=g)
+    positions = torch.arange(7).expand(2, 7)
+    per_row = 0.5 * torch.randn(2, layers, hidden, generator=g)
+    per_token = 0.5 * torch.randn(2, 7, layers, hidden, generator=g)
+    for steer in (per_row, per_token):
+        full = model.forward_train(ids, steer=steer)
+        assert not torch.allclose(full, model.forward_train(ids), atol=1e-3)
+        # Cached, in two passes: the steered K/V of the first reach the second.
+        cache = model.new_cache(2, 16)
+        part = steer if steer.dim() == 3 else steer[:, :4]
+        head = model.forward(ids[:, :4], positions[:, :4], cache, steer=part)
+        part = steer if steer.dim() == 3 else steer[:, 4:]
+        tail = model.forward(ids[:, 4:], positions[:, 4:], cache, steer=part)
+        torch.testing.assert_close(torch.cat([head, tail], 1), full, **TOL)
+        if family != "gpt2":  # our Transformer loads Llama-like checkpoints
+            ours = Transformer(ModelConfig.from_hf_config(theirs.config.to_dict()))
+            ours.load_state_dict(theirs.state_dict())
+            torch.testing.assert_close(ours.forward_train(ids, steer=steer), full, **TOL)
+    # The hooks live for one pass only, errors included.
+    with pytest.raises(ValueError, match="steer: expected shape"):
+        model.forward(ids, positions, model.new_cache(2, 16), steer=per_row[:, :1])
+    assert all(not layer._forward_hooks for layer in model._layers)
+    torch.testing.assert_close(model.forward_train(ids), hf_logits(theirs, ids), **TOL)
+    steered = per_row.clone().requires_grad_(True)
+    model.forward_train(ids, steer=steered).sum().backward()
+    assert steered.grad is not None and bool(steered.grad.abs().sum() > 0)
+
+
 def test_steer_rejects_bad_input():
     draft_model = steer_model()
     ids = torch.zeros((2, 3), dtype=torch.int64)

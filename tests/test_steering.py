@@ -293,6 +293,36 @@ def test_steering_changes_the_drafts(target, draft_model):
     assert not torch.equal(proposals[0], proposals[1])
 
 
+def test_a_transformers_draft_model_is_trained_and_steered(target):
+    from reference_models import hf_model
+    from specdecode.models import HFCausalLM
+
+    draft = HFCausalLM(hf_model("qwen2", vocab_size=V))
+    before = {k: v.clone() for k, v in draft.model.state_dict().items()}
+    windows = torch.randint(0, V, (6, 24), generator=torch.Generator().manual_seed(0))
+    fit = fit_steering(target, draft, windows, steps=3, batch_size=2, held_out=windows[:2])
+    untrained = DraftSteering.for_models(target, draft).state_dict()
+    assert any(not torch.equal(v, untrained[k]) for k, v in fit.steering.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in draft.model.state_dict().items())
+    assert all(p.requires_grad for p in draft.model.parameters()) and not draft.model.training
+    # The steered drafter over the transformers model: its drafts move, greedy stays lossless.
+    steering = random_steering(target, draft, seed=4)
+    prompts = prompts_for(5, seed=7)
+    proposals = []
+    for steer in (None, steering):
+        drafter = ModelDrafter(draft, k=6, steering=steer, sample=False)
+        drafter.start(range(5), prompts)
+        if steer is not None:
+            drafter.steer(range(5), [torch.randn(5, H) for _ in steer.target_layers])
+        proposals.append(drafter.propose(range(5)).tokens)
+    assert not torch.equal(proposals[0], proposals[1])
+    for mode in ("chain", "tree"):
+        drafter = ModelDrafter(draft, mode=mode, k=4, steering=steering)
+        out = SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=12)
+        for p, seq in zip(prompts, out.sequences):
+            assert seq == greedy_reference(target, p, 12)
+
+
 def test_the_drafter_checks_its_steering(target, draft_model):
     with pytest.raises(TypeError, match="DraftSteering"):
         ModelDrafter(draft_model, steering=object())

@@ -833,39 +833,32 @@ class _FedCostAR(ARForecaster):
 
 
 def test_adaptive_draft_length_prices_the_drafts_a_cached_target_is_fed():
+    def adaptive(base: float, per_patch: float, draft: ARForecaster, seed: int) -> ts.ForecastStats:
+        target = _FedCostAR(0.9, 0.5, base=base, per_patch=per_patch)
+        return ts.forecast(
+            target,
+            _ar_context(8),
+            30,
+            draft=draft,
+            num_draft=4,
+            adaptive=True,
+            generator=_gen(seed),
+        ).stats
+
     # A call after k drafts costs 0.5 + 5 (k + 1) ms. With under half the drafts accepted the
     # target alone is cheapest per patch (5.5 ms against 7 ms or more at k >= 1), which a cost
     # flat in k (the mean call, 25.5 ms at k = 4) would miss.
-    context = _ar_context(8)
-    target = _FedCostAR(0.9, 0.5, base=0.0005, per_patch=0.005)
-    half = ts.forecast(
-        target,
-        context,
-        30,
-        draft=ARForecaster(0.4, 0.8),
-        num_draft=4,
-        adaptive=True,
-        generator=_gen(37),
-    )
-    lengths = half.stats.draft_lengths
-    assert 0.1 < half.stats.acceptance_rate < 0.6
+    half = adaptive(0.0005, 0.005, ARForecaster(0.4, 0.8), 37)
+    lengths = half.draft_lengths
+    assert 0.1 < half.acceptance_rate < 0.6
     assert lengths[:3] == [4, 4, 0]  # the first step, one measured, then the target alone
     assert sum(k > 1 for k in lengths[3:]) <= 2 and 2 * lengths[3:].count(0) >= len(lengths) - 3
     # Calls of 10 + 2 (k + 1) ms and a draft that is always accepted: 5 patches for 20 ms at
     # k = 4 beat 12 ms per patch alone, so it keeps drafting, with one step that measures the
     # target alone.
-    target = _FedCostAR(0.9, 0.5, base=0.01, per_patch=0.002)
-    every = ts.forecast(
-        target,
-        context,
-        30,
-        draft=ARForecaster(0.9, 0.5),
-        num_draft=4,
-        adaptive=True,
-        generator=_gen(38),
-    )
-    assert every.stats.acceptance_rate == 1.0
-    assert every.stats.draft_lengths[:3] == [4, 4, 0] and every.stats.draft_lengths.count(0) == 1
+    every = adaptive(0.01, 0.002, ARForecaster(0.9, 0.5), 38)
+    assert every.acceptance_rate == 1.0
+    assert every.draft_lengths[:3] == [4, 4, 0] and every.draft_lengths.count(0) == 1
 
 
 def test_num_samples_draws_independent_paths_per_series():

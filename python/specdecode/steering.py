@@ -302,12 +302,24 @@ def _split(windows: torch.Tensor, k: int, seed: int) -> tuple[torch.Tensor, torc
     return torch.stack(sources), torch.stack(mask)
 
 
+def _module(draft: Any) -> torch.nn.Module:
+    """The torch module that holds a draft model's weights: the model itself
+    (:class:`~specdecode.models.Transformer`) or the one a wrapper holds as ``model``
+    (:class:`~specdecode.models.HFCausalLM`)."""
+    if isinstance(draft, torch.nn.Module):
+        return draft
+    inner = getattr(draft, "model", None)
+    if isinstance(inner, torch.nn.Module):
+        return inner
+    raise TypeError(f"draft: no torch module holds the weights of {type(draft).__name__}")
+
+
 def _check_pair(target: Any, draft: Any, k: int) -> None:
     for name, model in (("target", target), ("draft", draft)):
         if not callable(getattr(model, "forward_train", None)) and name == "draft":
             raise TypeError(
                 "draft: expected a model with forward_train(input_ids, steer=) "
-                f"(specdecode.models.Transformer), got {type(model).__name__}"
+                f"(specdecode.models.Transformer or HFCausalLM), got {type(model).__name__}"
             )
         if not callable(getattr(model, "new_cache", None)):
             raise TypeError(f"{name}: expected a CausalLM (specdecode.models)")
@@ -402,9 +414,10 @@ def fit_steering(
     if held_out is not None:
         kl, agree = steering_divergence(target, draft, None, held_out, k=k, seed=seed)
         report["kl_unsteered"], report["agreement_unsteered"] = kl, agree
-    was_training = draft.training
-    frozen = [p.requires_grad for p in draft.parameters()]
-    for p in draft.parameters():
+    weights = _module(draft)
+    was_training = weights.training
+    frozen = [p.requires_grad for p in weights.parameters()]
+    for p in weights.parameters():
         p.requires_grad_(False)
 
     def loss_of(batch: torch.Tensor, step: int) -> torch.Tensor:
@@ -414,7 +427,7 @@ def fit_steering(
         return divergence(target_logp, draft_logp, mask)[0]
 
     try:
-        draft.eval()
+        weights.eval()
         losses = train(
             list(steering.parameters()),
             windows,
@@ -426,9 +439,9 @@ def fit_steering(
             progress=progress,
         )
     finally:
-        for p, flag in zip(draft.parameters(), frozen):
+        for p, flag in zip(weights.parameters(), frozen):
             p.requires_grad_(flag)
-        draft.train(was_training)
+        weights.train(was_training)
     steering.eval()
     if held_out is not None:
         kl, agree = steering_divergence(target, draft, steering, held_out, k=k, seed=seed)

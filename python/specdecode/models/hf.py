@@ -23,10 +23,11 @@ influence a result.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import weakref
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -37,6 +38,7 @@ from ._checks import (
     check_hidden_indices,
     check_keep_rows,
     check_positive_int,
+    check_steer,
     check_tokens,
     check_tree_mask,
 )
@@ -302,6 +304,7 @@ class HFCausalLM:
             min(candidates) if candidates else (1 << 20, "no position limit in the config")
         )
         self._num_layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
+        self._layers = _decoder_layers(model, self._num_layers)
 
     @classmethod
     def from_pretrained(cls, directory: Union[str, os.PathLike], **kwargs: Any) -> HFCausalLM:
@@ -332,6 +335,73 @@ class HFCausalLM:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    @property
+    def config(self) -> Any:
+        """The transformers config (``hidden_size``, ``num_hidden_layers``, ...)."""
+        return self.model.config
+
+    def _steered(self, steer: Optional[torch.Tensor]) -> contextlib.AbstractContextManager:
+        """Adds ``steer[:, :, i]`` (``[B, 1 or T, L, H]``, checked) to decoder layer ``i``'s
+        output while the context is open: the residual stream after each layer, as
+        :class:`~specdecode.models.Transformer` takes ``steer``."""
+        if steer is None:
+            return contextlib.nullcontext()
+        if self._layers is None:
+            raise TypeError(
+                f"steer: no list of {self._num_layers} decoder layers found in "
+                f"{type(self.model).__name__}, so nothing can be added after each layer"
+            )
+        return _steer_hooks(self._layers, steer)
+
+    def forward_train(
+        self, input_ids: torch.Tensor, steer: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Logits of whole sequences, differentiable (no cache); what
+        :func:`specdecode.steering.fit_steering` trains a map through.
+
+        Parameters
+        ----------
+        input_ids : torch.Tensor
+            Integer ``[B, T]``, ids in ``[0, vocab_size)``, ``1 <= T <= max_length``; token ``t``
+            sits at position ``t``.
+        steer : torch.Tensor, optional
+            Floating ``[B, L, hidden_size]`` or ``[B, T, L, hidden_size]``: vectors added to the
+            residual stream after each decoder layer, as :meth:`forward` takes them. Gradients
+            flow into it.
+
+        Returns
+        -------
+        torch.Tensor
+            Logits ``[B, T, vocab_size]`` in the model's dtype; ``logits[:, t]`` predicts token
+            ``t + 1``.
+        """
+        device = self.device
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids: expected a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids: expected shape [B, T], got {list(input_ids.shape)}")
+        batch, t = input_ids.shape
+        if t > self._max_length:
+            raise ValueError(
+                f"input_ids: {t} tokens exceed the model's max length {self._max_length} "
+                f"({self._limit_field})"
+            )
+        input_ids, _ = check_tokens(
+            input_ids,
+            torch.arange(t, device=input_ids.device).expand(batch, t),
+            self._vocab_size,
+            batch,
+            device,
+        )
+        steer = check_steer(steer, batch, t, self._num_layers, self._hidden_size(), device)
+        with self._steered(steer):
+            out = self.model(input_ids=input_ids, use_cache=False, return_dict=True)
+        return out.logits
+
+    def _hidden_size(self) -> int:
+        config = self.model.config
+        return int(getattr(config, "hidden_size", None) or config.n_embd)
+
     def new_cache(self, batch_size: int, max_length: Optional[int] = None) -> HFCache:
         """An empty :class:`HFCache`; ``max_length`` defaults to (and may not exceed) the model's
         position limit / sliding window."""
@@ -354,11 +424,16 @@ class HFCausalLM:
         cache: HFCache,
         tree_mask: Optional[torch.Tensor] = None,
         output_hidden: Optional[Sequence[int]] = None,
+        steer: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         """Scores ``T`` new tokens per row (see :meth:`specdecode.models.CausalLM.forward`).
 
         Hidden state ``i`` is transformers' ``hidden_states[i]`` (0 = embeddings, ``L`` = the
-        final norm's output for the decoders in transformers 5).
+        final norm's output for the decoders in transformers 5). ``steer`` (floating
+        ``[B, L, hidden_size]`` per row or ``[B, T, L, hidden_size]`` per token) is added to
+        each decoder layer's output through forward hooks, as
+        :meth:`specdecode.models.Transformer.forward` adds it (steered drafters,
+        :mod:`specdecode.steering`); the hooks are removed when the pass ends.
 
         Raises
         ------
@@ -385,6 +460,7 @@ class HFCausalLM:
         batch, t = input_ids.shape
         check_tree_mask(tree_mask, batch, t, device)
         wanted = check_hidden_indices(output_hidden, self._num_layers)
+        steer = check_steer(steer, batch, t, self._num_layers, self._hidden_size(), device)
         longest = int(cache._host_lengths.max())
         if longest + t > cache.max_length:
             raise ValueError(
@@ -409,7 +485,7 @@ class HFCausalLM:
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         start = cache._host_lengths.clone()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._steered(steer):
                 out = self.model(
                     input_ids=input_ids,
                     attention_mask=mask.unsqueeze(1),
@@ -439,3 +515,34 @@ class HFCausalLM:
         if output_hidden is None:
             return logits
         return logits, tuple(out.hidden_states[i] for i in wanted)
+
+
+def _decoder_layers(model: torch.nn.Module, count: int) -> Optional[torch.nn.ModuleList]:
+    """The model's list of decoder layers: the first ``ModuleList`` of ``count`` modules
+    (``model.layers`` in Llama-like models, ``transformer.h`` in GPT-2), or None."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return module
+    return None
+
+
+@contextlib.contextmanager
+def _steer_hooks(layers: torch.nn.ModuleList, steer: torch.Tensor) -> Iterator[None]:
+    """Forward hooks adding ``steer[:, :, i]`` to layer ``i``'s hidden output (a tensor, or the
+    first entry of a tuple), removed on exit, errors included."""
+
+    def add(index: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if isinstance(output, tuple):
+                hidden = output[0]
+                return (hidden + steer[:, :, index].to(hidden.dtype), *output[1:])
+            return output + steer[:, :, index].to(output.dtype)
+
+        return hook
+
+    handles = [layer.register_forward_hook(add(i)) for i, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
