@@ -28,6 +28,8 @@ from specdecode.edge import (
     spawn_draft_workers,
     zoo_draft_model,
 )
+from specdecode.specformer import SpecFormerDrafter, SpecFormerHead
+from specdecode.steering import DraftSteering
 
 from specdecode import SpeculativeDecoder, generate, ops, zoo
 
@@ -94,6 +96,66 @@ def test_greedy_output_and_acceptance_match_the_same_drafter_run_locally(target,
     assert out.sequences == local.sequences
     assert out.stats.row_steps == local.stats.row_steps
     assert out.stats.accepted_tokens == local.stats.accepted_tokens
+
+
+def _reading_drafter(target: Any, draft: Any, kind: str) -> Any:
+    """A drafter that reads the target's states, the same one at every call: a steered draft
+    model (random map) or a SpecFormer head (random weights)."""
+    if kind == "steered":
+        steering = DraftSteering.for_models(target, draft)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in (steering.proj.weight, steering.proj.bias):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        return ModelDrafter(draft, k=3, steering=steering)
+    torch.manual_seed(0)
+    return SpecFormerDrafter(SpecFormerHead.for_target(target, 3).eval(), target)
+
+
+@pytest.mark.parametrize("kind", ["steered", "specformer"])
+def test_drafters_that_read_the_target_get_its_states_through_the_workers(target, draft, kind):
+    """The engine hands the target's states to the RemoteDrafter, which sends each worker its
+    sequences' states: the drafts (hence the steps) of the same drafter in-process."""
+    prompts = prompts_for(5, seed=3)
+    local_drafter = _reading_drafter(target, draft, kind)
+    local = SpeculativeDecoder(target, local_drafter).generate(prompts, max_new_tokens=16)
+    if kind == "steered":  # the states matter: drafting without them accepts otherwise
+        plain = SpeculativeDecoder(target, ModelDrafter(draft, k=3)).generate(
+            prompts, max_new_tokens=16
+        )
+        assert plain.stats.accepted_tokens != local.stats.accepted_tokens
+    workers = ThreadWorkers(
+        _reading_drafter(target, draft, kind), _reading_drafter(target, draft, kind)
+    )
+    with RemoteDrafter(workers.connections) as drafter:
+        assert drafter.target_hidden == local_drafter.target_hidden
+        assert drafter.target_states == getattr(local_drafter, "target_states", "last")
+        out = SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=16)
+        assert drafter.stats.sequences == [3, 2]
+    assert out.sequences == local.sequences
+    assert out.stats.row_steps == local.stats.row_steps
+    assert out.stats.accepted_tokens == local.stats.accepted_tokens
+    for p, seq in zip(prompts, out.sequences):
+        assert seq == greedy_reference(target, p, 16)
+
+
+def test_a_reading_worker_beside_others(target, draft):
+    """A steered worker beside an n-gram one: only the steered one gets states; workers that
+    read different states cannot share a server."""
+    prompts = prompts_for(4, seed=4)
+    workers = ThreadWorkers(
+        _reading_drafter(target, draft, "steered"), CachebackDrafter(max_sequences=4)
+    )
+    with RemoteDrafter(workers.connections) as drafter:
+        out = SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=12)
+    for p, seq in zip(prompts, out.sequences):
+        assert seq == greedy_reference(target, p, 12)
+    workers = ThreadWorkers(
+        _reading_drafter(target, draft, "steered"), _reading_drafter(target, draft, "specformer")
+    )
+    with pytest.raises(ValueError, match="read different target states"):
+        RemoteDrafter(workers.connections)
+    assert workers.ended()
 
 
 def test_different_drafters_per_worker_and_placement(target, draft):

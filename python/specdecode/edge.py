@@ -60,7 +60,7 @@ __all__ = [
 # Requests the worker answers (one reply each, in order); the others are one-way: an error in
 # one is held and returned with the next reply, so a step costs one round trip.
 _ANSWERED = ("hello", "propose", "close")
-_ONE_WAY = ("start", "configure", "observe", "release")
+_ONE_WAY = ("start", "configure", "steer", "follow", "observe", "release")
 
 
 class WorkerError(RuntimeError):
@@ -124,6 +124,12 @@ def _describe(drafter: Any) -> dict[str, Any]:
         info[attr] = None if value is None else int(value)
     info["proposes_chains"] = getattr(drafter, "proposes_chains", False) is True
     info["configurable"] = callable(getattr(drafter, "configure", None))
+    # A drafter that reads the target (steered drafters, SpecFormer): which of its states.
+    layers = getattr(drafter, "target_hidden", None)
+    info["target_hidden"] = None if layers is None else [int(i) for i in layers]
+    size = getattr(drafter, "target_hidden_size", None) if layers is not None else None
+    info["target_hidden_size"] = None if size is None else int(size)
+    info["target_states"] = str(getattr(drafter, "target_states", "last"))
     return info
 
 
@@ -168,6 +174,12 @@ def _serve(conn: Any, drafter: Any, held: Optional[str]) -> int:
                     elif op == "configure":
                         slots, sampling = payload
                         drafter.configure(slots, **sampling)
+                    elif op == "steer":
+                        slots, hidden = payload
+                        drafter.steer(slots, [torch.from_numpy(h) for h in hidden])
+                    elif op == "follow":
+                        slots, hidden, lengths = payload
+                        drafter.follow(slots, [torch.from_numpy(h) for h in hidden], lengths)
                     elif op == "observe":
                         drafter.observe(*payload)
                     else:
@@ -490,6 +502,18 @@ class RemoteDrafter:
                 "share the target's"
             )
         self._vocab = next(iter(vocabs), None)
+        reads = {
+            (tuple(info["target_hidden"]), info["target_hidden_size"], info["target_states"])
+            for info in self.infos
+            if info.get("target_hidden")
+        }
+        if len(reads) > 1:
+            self.close()
+            raise ValueError(
+                f"workers: their drafters read different target states {sorted(reads)} (layers, "
+                "size, kind); the server hands every worker the same ones"
+            )
+        self._reads: Optional[tuple[tuple[int, ...], Optional[int], str]] = next(iter(reads), None)
 
     # ---- what the engine reads -----------------------------------------------------------------
 
@@ -511,6 +535,23 @@ class RemoteDrafter:
     @property
     def proposes_chains(self) -> bool:
         return all(info["proposes_chains"] for info in self.infos)
+
+    @property
+    def target_hidden(self) -> Optional[tuple[int, ...]]:
+        """The target's hidden-state indices the workers' drafters read (steered drafters,
+        SpecFormer heads), or None: the engine then hands them over through :meth:`steer` or
+        :meth:`follow`."""
+        return None if self._reads is None else self._reads[0]
+
+    @property
+    def target_hidden_size(self) -> Optional[int]:
+        return None if self._reads is None else self._reads[1]
+
+    @property
+    def target_states(self) -> str:
+        """``"last"`` (the state at the last accepted node, :meth:`steer`) or ``"path"`` (the
+        states along the accepted path, :meth:`follow`)."""
+        return "last" if self._reads is None else self._reads[2]
 
     def _capacity(self, worker: int) -> int:
         cap = self.infos[worker]["max_sequences"]
@@ -668,6 +709,39 @@ class RemoteDrafter:
                 for name, v in sampling.items()
             }
             self._post(w, "configure", ([slots_l[i] for i in idx], part))
+
+    def steer(self, slots: Sequence[int], hidden: Sequence[torch.Tensor]) -> None:
+        """Sends the target's states at each sequence's last accepted node to the workers whose
+        drafters read them (no answer is awaited; as ``ModelDrafter.steer``: one floating
+        ``[n, Ht]`` tensor per index of :attr:`target_hidden`). They travel as float32."""
+        self._hand_states("steer", slots, hidden, None)
+
+    def follow(
+        self, slots: Sequence[int], hidden: Sequence[torch.Tensor], lengths: Sequence[int]
+    ) -> None:
+        """Sends the target's states along each sequence's accepted path to the workers whose
+        drafters follow them (as ``SpecFormerDrafter.follow``: one ``[n, P, Ht]`` tensor per
+        index of :attr:`target_hidden`, ``lengths [n]``). They travel as float32."""
+        self._hand_states("follow", slots, hidden, lengths)
+
+    def _hand_states(
+        self,
+        op: str,
+        slots: Sequence[int],
+        hidden: Sequence[torch.Tensor],
+        lengths: Optional[Sequence[int]],
+    ) -> None:
+        slots_l = [int(s) for s in slots]
+        # float32 on the wire: numpy has no bfloat16, and the workers' maps read float32.
+        arrays = [h.detach().to("cpu", torch.float32).numpy() for h in hidden]
+        counts = None if lengths is None else [int(n) for n in lengths]
+        for w, idx in self._by_worker(slots_l).items():
+            if not self.infos[w].get("target_hidden"):
+                continue  # this worker's drafter does not read the target
+            payload: tuple[Any, ...] = ([slots_l[i] for i in idx], [a[idx] for a in arrays])
+            if counts is not None:
+                payload += ([counts[i] for i in idx],)
+            self._post(w, op, payload)
 
     def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
         """Sends each worker its sequences' committed tokens (no answer is awaited)."""
