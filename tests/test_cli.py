@@ -722,16 +722,19 @@ def free_port() -> int:
 
 
 @requires_pycode
-def test_generate_with_an_edge_worker_process(capsys, monkeypatch):
+@pytest.mark.parametrize("steered", [False, True], ids=["plain", "steered"])
+def test_generate_with_an_edge_worker_process(capsys, monkeypatch, steered):
     """``edge-worker`` in its own process (started before the server listens: it retries)
-    drafts for ``generate --drafter edge``: the same text as without a drafter."""
+    drafts for ``generate --drafter edge``: the same text as without a drafter; a steered
+    worker gets the target's states from the server every step."""
     import os
 
     monkeypatch.setenv(cli.EDGE_KEY_ENV, "a-test-secret")
     port = free_port()
     worker = subprocess.Popen(
         [sys.executable, "-m", "specdecode", "edge-worker", "--connect", f"127.0.0.1:{port}"]
-        + ["--retry-for", "60", "-k", "4", "--threads", "1"],
+        + ["--retry-for", "60", "-k", "4", "--threads", "1"]
+        + (["--steering", "pycode"] if steered else []),
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, cli.EDGE_KEY_ENV: "a-test-secret"},
@@ -746,6 +749,8 @@ def test_generate_with_an_edge_worker_process(capsys, monkeypatch):
         assert code == 0, err
         assert drafted == plain
         assert f"waiting for 1 draft worker on 127.0.0.1:{port}" in err and "[edge]" in err
+        states = int(err.split("target states sent for ")[1].split()[0])
+        assert (states > 0) == steered
         _, worker_err = worker.communicate(timeout=60)
     finally:
         if worker.poll() is None:
@@ -783,6 +788,11 @@ def test_edge_option_errors(capsys, monkeypatch):
         ["edge-worker", "--connect", "x:1", "--drafter", "cacheback", "--draft-model", "d"], capsys
     )
     assert code == 2 and "--draft-model: not used by --drafter cacheback" in err
+    code, _, err = run_main(
+        ["edge-worker", "--connect", "x:1", "--drafter", "cacheback", "--steering", "pycode"],
+        capsys,
+    )
+    assert code == 2 and "--steering: not used by --drafter cacheback" in err
 
 
 class BrokenDevice(NoDrafter):

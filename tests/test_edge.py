@@ -132,6 +132,7 @@ def test_drafters_that_read_the_target_get_its_states_through_the_workers(target
         assert drafter.target_states == getattr(local_drafter, "target_states", "last")
         out = SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=16)
         assert drafter.stats.sequences == [3, 2]
+        assert drafter.stats.states_sent >= out.stats.row_steps
     assert out.sequences == local.sequences
     assert out.stats.row_steps == local.stats.row_steps
     assert out.stats.accepted_tokens == local.stats.accepted_tokens
@@ -148,6 +149,8 @@ def test_a_reading_worker_beside_others(target, draft):
     )
     with RemoteDrafter(workers.connections) as drafter:
         out = SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=12)
+        # Only the steered worker's two sequences (of four) get the target's states.
+        assert 0 < drafter.stats.states_sent < out.stats.row_steps
     for p, seq in zip(prompts, out.sequences):
         assert seq == greedy_reference(target, p, 12)
     workers = ThreadWorkers(

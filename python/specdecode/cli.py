@@ -461,13 +461,16 @@ def edge_drafter(listen: Optional[str], deadline: Optional[float], workers: int 
 
 def _edge_worker_drafter(args: argparse.Namespace) -> Any:
     """The drafter ``edge-worker`` serves: the zoo pair's draft model or ``--draft-model DIR``
-    (no target is loaded on the worker), or Cacheback."""
+    (no target is loaded on the worker; with ``--steering``, steered by the target's states the
+    server sends), or Cacheback."""
     from .drafters import CachebackDrafter, ModelDrafter
 
     if args.drafter == "cacheback":
-        if args.draft_model is not None:
-            raise CLIError("--draft-model: not used by --drafter cacheback")
+        for option, value in (("--draft-model", args.draft_model), ("--steering", args.steering)):
+            if value is not None:
+                raise CLIError(f"{option}: not used by --drafter cacheback")
         return CachebackDrafter(max_sequences=EDGE_CACHEBACK_SEQUENCES)
+    steering = _load_steering(args.steering)
     if args.draft_model is not None:
         draft = _load_dir(_check_model_dir(args.draft_model, "--draft-model"), "--draft-model")
     elif args.model in _zoo_names():
@@ -479,7 +482,12 @@ def _edge_worker_drafter(args: argparse.Namespace) -> Any:
     draft = _move(draft, _device_option(args.device))
     mode = "tree" if args.drafter == "model-tree" else "chain"
     extra = dict(branch=2, beam=4, max_nodes=16) if mode == "tree" else {}
-    return ModelDrafter(draft, mode=mode, k=args.k, **extra)
+    try:
+        return ModelDrafter(draft, mode=mode, k=args.k, steering=steering, **extra)
+    except (TypeError, ValueError) as exc:
+        if steering is None:
+            raise
+        raise CLIError(f"--steering: {exc}") from None
 
 
 def _cmd_edge_worker(args: argparse.Namespace) -> int:
@@ -696,6 +704,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if judge is not None:
         sys.stderr.write(
             f"[{args.drafter}] judge {args.judge}: accepted {stats.judge_accepted} mismatches\n"
+        )
+    if args.drafter == "edge":
+        link = drafter.stats
+        sys.stderr.write(
+            f"[edge] worker rounds {link.rounds}, late {link.late}; link {link.bytes_sent} bytes "
+            f"sent, {link.bytes_received} received; target states sent for {link.states_sent} "
+            "sequence-steps\n"
         )
     return 0
 
@@ -1712,6 +1727,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(n-gram, no model)",
     )
     p_edge.add_argument("-k", type=_positive_int, default=3, help="draft depth (default 3)")
+    p_edge.add_argument(
+        "--steering",
+        metavar="FILE|PAIR",
+        default=None,
+        help="steer the draft model with the target's hidden states (SD²), which the server "
+        "then sends every step: a map from specdecode steer or a zoo pair's shipped one",
+    )
     p_edge.add_argument(
         "--retry-for",
         metavar="SECONDS",

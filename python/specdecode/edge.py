@@ -384,6 +384,8 @@ class EdgeStats:
         it, link included).
     bytes_sent, bytes_received : int
         Bytes of pickled messages over all links.
+    states_sent : int
+        Sequence-steps whose target states went to a worker (drafters that read the target).
     """
 
     rounds: list[int]
@@ -393,6 +395,7 @@ class EdgeStats:
     wait_time: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    states_sent: int = 0
 
 
 class _Link:
@@ -741,7 +744,8 @@ class RemoteDrafter:
             payload: tuple[Any, ...] = ([slots_l[i] for i in idx], [a[idx] for a in arrays])
             if counts is not None:
                 payload += ([counts[i] for i in idx],)
-            self._post(w, op, payload)
+            if self._post(w, op, payload):
+                self.stats.states_sent += len(idx)
 
     def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
         """Sends each worker its sequences' committed tokens (no answer is awaited)."""
