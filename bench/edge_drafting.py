@@ -2,7 +2,7 @@
 
     python bench/edge_drafting.py [--prompts 16] [--max-new 64] [--batch 1 8]
         [--temperatures 0 1] [--workers 1 2] [--repeats 3] [--spike-ms 40] [--spike-every 4]
-        [--deadline-ms 15]
+        [--deadline-ms 15] [--steered]
 
 The server holds the target; draft workers (:func:`specdecode.edge.spawn_draft_workers`, one
 torch thread each, each loading the pair's draft model itself) stand in for edge devices and draft
@@ -11,7 +11,9 @@ in the same run, per batch size and temperature: no drafter (autoregressive, the
 same draft model drafting on the server (:class:`specdecode.drafters.ModelDrafter`), and W remote
 workers; with ``--spike-ms`` also two workers of which one takes that much longer on every
 ``--spike-every``-th draft request (a device that is sometimes busy), without and with a deadline
-of ``--deadline-ms``.
+of ``--deadline-ms``; with ``--steered`` also the draft model steered by the pair's shipped SD² map
+(:mod:`specdecode.steering`), on the server and on one worker (the server then sends the target's
+states at every step).
 
 Reported: tokens per step, wall tokens per second and its ratio to autoregressive decoding, and
 the server's own time per 100 tokens (wall time less the time it waited for remote drafts: the
@@ -64,6 +66,12 @@ def spiky_or_steady_draft_model(spiky: bool, delay: float, every: int):
     return SpikyDevice(drafter, delay, every) if spiky else drafter
 
 
+def steered_draft_model():
+    """A worker's drafter: the pair's draft model steered by its shipped map (both loaded in the
+    worker)."""
+    return zoo_draft_model("pycode", 4, steering=zoo.load_steering("pycode"))
+
+
 def run(target, drafter, prompts, batch, temperature, max_new):
     """One pass over ``prompts`` in batches of ``batch``: (seconds, new tokens, row-steps, steps,
     waited, bytes, late, sequences)."""
@@ -107,6 +115,7 @@ def main() -> None:
     p.add_argument("--spike-every", type=int, default=4)
     p.add_argument("--deadline-ms", type=float, default=15.0)
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    p.add_argument("--steered", action="store_true", help="add the SD²-steered draft model rows")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     target, draft, tok = zoo.load("pycode")
@@ -127,6 +136,13 @@ def main() -> None:
         r = RemoteDrafter(spawn_draft_workers(zoo_draft_model, w, "pycode", 4))
         remotes.append(r)
         drafters[f"{w} remote worker{'s' if w > 1 else ''}"] = r
+    if args.steered:
+        drafters["steered draft model on the server"] = ModelDrafter(
+            draft, k=4, steering=zoo.load_steering("pycode")
+        )
+        r = RemoteDrafter(spawn_draft_workers(steered_draft_model, 1))
+        remotes.append(r)
+        drafters["1 remote worker, steered"] = r
     if args.spike_ms > 0:
         delay = args.spike_ms / 1000
         for deadline in (None, args.deadline_ms / 1000):
