@@ -1236,6 +1236,20 @@ def test_hf_steer_adds_after_each_decoder_layer_as_our_transformer_does(family):
     assert steered.grad is not None and bool(steered.grad.abs().sum() > 0)
 
 
+def test_hf_steer_needs_the_list_of_decoder_layers(monkeypatch):
+    import specdecode.models.hf as hf
+
+    monkeypatch.setattr(hf, "_decoder_layers", lambda model, count: None)  # a model without one
+    model = HFCausalLM(hf_model("llama"))
+    ids = torch.tensor([[5, 6, 7]])
+    steer = torch.zeros(1, model.num_hidden_layers, model.config.hidden_size)
+    with pytest.raises(TypeError, match="no list of 2 decoder layers found in LlamaForCausalLM"):
+        model.forward(ids, torch.arange(3)[None], model.new_cache(1, 8), steer=steer)
+    cache = model.new_cache(1, 8)
+    model.forward(ids, torch.arange(3)[None], cache)  # unsteered passes need no list
+    assert cache.lengths.tolist() == [3]
+
+
 def test_steer_rejects_bad_input():
     draft_model = steer_model()
     ids = torch.zeros((2, 3), dtype=torch.int64)
