@@ -161,6 +161,44 @@ def test_a_reading_worker_beside_others(target, draft):
     assert workers.ended()
 
 
+class StateRecorder(NoDrafter):
+    """A drafter that reads target states 1 and 2 (256 wide) and keeps what it is handed."""
+
+    target_hidden = (1, 2)
+    target_hidden_size = 256
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[tuple[list[int], list[torch.Tensor]]] = []
+
+    def steer(self, slots, hidden):
+        self.received.append((list(slots), list(hidden)))
+
+
+def test_target_states_cross_the_link_bit_for_bit_in_their_dtype():
+    recorder = StateRecorder()
+    workers = ThreadWorkers(recorder)
+    g = torch.Generator().manual_seed(0)
+    states = [torch.randn(2, 256, generator=g).bfloat16(), torch.randn(2, 256, generator=g)]
+    with RemoteDrafter(workers.connections) as drafter:
+        assert (drafter.target_hidden, drafter.target_hidden_size) == ((1, 2), 256)
+        assert drafter.target_states == "last"
+        drafter.start([0, 1], [[3, 4], [5]])
+        sent = []
+        for sending in (states, [states[0].float(), states[1]]):
+            before = drafter.stats.bytes_sent
+            drafter.steer([1, 0], sending)
+            sent.append(drafter.stats.bytes_sent - before)
+        drafter.propose([0, 1])  # answered after the one-way messages sent before it
+        assert drafter.stats.states_sent == 4
+    (slots, hidden), (_, widened) = recorder.received
+    assert slots == [1, 0]
+    assert hidden[0].dtype == torch.bfloat16 and torch.equal(hidden[0], states[0])
+    assert hidden[1].dtype == torch.float32 and torch.equal(hidden[1], states[1])
+    assert widened[0].dtype == torch.float32 and torch.equal(widened[0], states[0].float())
+    assert sent[1] - sent[0] > 0.9 * 2 * 256 * 2  # a bfloat16 value: 2 bytes on the wire, not 4
+
+
 def test_different_drafters_per_worker_and_placement(target, draft):
     """A tree-drafting device and an n-gram device (SLED's heterogeneous devices), each prompt
     placed by hand: lossless, and each sequence drafted where it was placed."""

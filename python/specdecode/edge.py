@@ -116,6 +116,22 @@ def _tree_message(tree: Any) -> dict[str, Any]:
 # ---- the device side -------------------------------------------------------------------------
 
 
+def _state_array(h: torch.Tensor) -> tuple[str, np.ndarray]:
+    """A target state for the wire, exactly: its dtype's name and its values as a numpy array
+    (bfloat16, which numpy lacks, as its 16-bit patterns)."""
+    h = h.detach().cpu()
+    if h.dtype == torch.bfloat16:
+        return "bfloat16", h.view(torch.int16).numpy()
+    return str(h.dtype).removeprefix("torch."), h.numpy()
+
+
+def _state_tensor(message: tuple[str, np.ndarray]) -> torch.Tensor:
+    """:func:`_state_array`'s inverse."""
+    dtype, values = message
+    t = torch.from_numpy(np.ascontiguousarray(values))
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
 def _describe(drafter: Any) -> dict[str, Any]:
     """What the server needs to know of a worker's drafter (the ``hello`` reply)."""
     info: dict[str, Any] = {"name": type(drafter).__name__}
@@ -176,10 +192,10 @@ def _serve(conn: Any, drafter: Any, held: Optional[str]) -> int:
                         drafter.configure(slots, **sampling)
                     elif op == "steer":
                         slots, hidden = payload
-                        drafter.steer(slots, [torch.from_numpy(h) for h in hidden])
+                        drafter.steer(slots, [_state_tensor(h) for h in hidden])
                     elif op == "follow":
                         slots, hidden, lengths = payload
-                        drafter.follow(slots, [torch.from_numpy(h) for h in hidden], lengths)
+                        drafter.follow(slots, [_state_tensor(h) for h in hidden], lengths)
                     elif op == "observe":
                         drafter.observe(*payload)
                     else:
@@ -716,7 +732,8 @@ class RemoteDrafter:
     def steer(self, slots: Sequence[int], hidden: Sequence[torch.Tensor]) -> None:
         """Sends the target's states at each sequence's last accepted node to the workers whose
         drafters read them (no answer is awaited; as ``ModelDrafter.steer``: one floating
-        ``[n, Ht]`` tensor per index of :attr:`target_hidden`). They travel as float32."""
+        ``[n, Ht]`` tensor per index of :attr:`target_hidden`). They travel in their own dtype,
+        bit for bit."""
         self._hand_states("steer", slots, hidden, None)
 
     def follow(
@@ -724,7 +741,8 @@ class RemoteDrafter:
     ) -> None:
         """Sends the target's states along each sequence's accepted path to the workers whose
         drafters follow them (as ``SpecFormerDrafter.follow``: one ``[n, P, Ht]`` tensor per
-        index of :attr:`target_hidden`, ``lengths [n]``). They travel as float32."""
+        index of :attr:`target_hidden`, ``lengths [n]``). They travel in their own dtype, bit
+        for bit."""
         self._hand_states("follow", slots, hidden, lengths)
 
     def _hand_states(
@@ -735,13 +753,14 @@ class RemoteDrafter:
         lengths: Optional[Sequence[int]],
     ) -> None:
         slots_l = [int(s) for s in slots]
-        # float32 on the wire: numpy has no bfloat16, and the workers' maps read float32.
-        arrays = [h.detach().to("cpu", torch.float32).numpy() for h in hidden]
+        # In the target's own dtype (a bfloat16 state is 2 bytes on the wire, not 4).
+        arrays = [_state_array(h) for h in hidden]
         counts = None if lengths is None else [int(n) for n in lengths]
         for w, idx in self._by_worker(slots_l).items():
             if not self.infos[w].get("target_hidden"):
                 continue  # this worker's drafter does not read the target
-            payload: tuple[Any, ...] = ([slots_l[i] for i in idx], [a[idx] for a in arrays])
+            rows = [(dtype, values[idx]) for dtype, values in arrays]
+            payload: tuple[Any, ...] = ([slots_l[i] for i in idx], rows)
             if counts is not None:
                 payload += ([counts[i] for i in idx],)
             if self._post(w, op, payload):
