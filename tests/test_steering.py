@@ -9,7 +9,6 @@ import pytest
 import torch
 from reference_engine import greedy_reference, tiny_transformer
 from specdecode.drafters import CachebackDrafter, CombinedDrafter, ModelDrafter
-from specdecode.models import Transformer
 from specdecode.steering import (
     DraftSteering,
     default_target_layers,
@@ -37,7 +36,7 @@ def draft_model():
     return tiny_transformer(seed=2, layers=2)
 
 
-def random_steering(target: Transformer, draft: Transformer, seed: int = 0) -> DraftSteering:
+def random_steering(target: Any, draft: Any, seed: int = 0) -> DraftSteering:
     """A map with random weights (a trained one's stand-in where only the wiring is tested)."""
     steering = DraftSteering.for_models(target, draft)
     g = torch.Generator().manual_seed(seed)
@@ -281,16 +280,22 @@ def test_an_untrained_map_drafts_what_the_plain_drafter_drafts(target, draft_mod
     assert runs[0] == runs[1]
 
 
-def test_steering_changes_the_drafts(target, draft_model):
+def assert_steering_changes_the_drafts(draft: Any, steering: DraftSteering) -> None:
+    """Five prompts' greedy chains of 6 with and without ``steering`` (random target states)
+    differ."""
     prompts = prompts_for(5, seed=7)
     proposals = []
-    for steering in (None, random_steering(target, draft_model, seed=4)):
-        drafter = ModelDrafter(draft_model, k=6, steering=steering, sample=False)
+    for steer in (None, steering):
+        drafter = ModelDrafter(draft, k=6, steering=steer, sample=False)
         drafter.start(range(5), prompts)
-        if steering is not None:
-            drafter.steer(range(5), [torch.randn(5, H) for _ in steering.target_layers])
+        if steer is not None:
+            drafter.steer(range(5), [torch.randn(5, H) for _ in steer.target_layers])
         proposals.append(drafter.propose(range(5)).tokens)
     assert not torch.equal(proposals[0], proposals[1])
+
+
+def test_steering_changes_the_drafts(target, draft_model):
+    assert_steering_changes_the_drafts(draft_model, random_steering(target, draft_model, seed=4))
 
 
 def test_a_transformers_draft_model_is_trained_and_steered(target):
@@ -307,15 +312,8 @@ def test_a_transformers_draft_model_is_trained_and_steered(target):
     assert all(p.requires_grad for p in draft.model.parameters()) and not draft.model.training
     # The steered drafter over the transformers model: its drafts move, greedy stays lossless.
     steering = random_steering(target, draft, seed=4)
+    assert_steering_changes_the_drafts(draft, steering)
     prompts = prompts_for(5, seed=7)
-    proposals = []
-    for steer in (None, steering):
-        drafter = ModelDrafter(draft, k=6, steering=steer, sample=False)
-        drafter.start(range(5), prompts)
-        if steer is not None:
-            drafter.steer(range(5), [torch.randn(5, H) for _ in steer.target_layers])
-        proposals.append(drafter.propose(range(5)).tokens)
-    assert not torch.equal(proposals[0], proposals[1])
     for mode in ("chain", "tree"):
         drafter = ModelDrafter(draft, mode=mode, k=4, steering=steering)
         out = SpeculativeDecoder(target, drafter).generate(prompts, max_new_tokens=12)
