@@ -122,7 +122,7 @@ void verify_binding(py::handle target_obj, py::handle draft_obj, py::handle draf
   check_param(seed, target, DType::kInt64, batch);
   Array offset = Array::from_python(offset_obj, "offset");
   check_param(offset, target, DType::kInt64, batch);
-  if (method < verify::kExact || method > verify::kTopKAccept) {
+  if (method < verify::kExact || method > verify::kBlock) {
     throw_value_error("method: unknown method code " + std::to_string(method));
   }
   if (max_depth < 0 || max_depth >= kMaxTreeNodes) {

@@ -3,7 +3,8 @@
 * :func:`processed_probs`: the sampling distribution a target row stands for (temperature, top-k,
   top-p with the kernel's tie rules), in float64.
 * :func:`outcome_distribution`: the exact distribution of one sequence's outcome (accepted path
-  and the final token) for fixed draft tokens, by enumerating the algorithm's branches in float64.
+  and the final token) for fixed draft tokens, by enumerating the algorithm's branches in float64
+  (block verification of a sampled chain by its closed form).
 * :func:`torch_verify_chain`: a vectorised batched implementation of exact chain verification
   (the baseline of the benchmarks).
 """
@@ -73,6 +74,11 @@ def outcome_distribution(
     """
     p_rows = p_rows.double()
     n = p_rows.shape[0]
+    is_chain = parents is None or all(parents[i] == i - 1 for i in range(1, n))
+    if method == "block" and q_rows is not None and is_chain:
+        return _block_outcome_distribution(p_rows, q_rows.double(), tokens)
+    if method == "block":
+        method = "exact"
     out: dict[tuple[tuple[int, ...], int], float] = {}
 
     def add(path: tuple[int, ...], dist: torch.Tensor, weight: float) -> None:
@@ -142,6 +148,44 @@ def outcome_distribution(
             add(path, pl / pl.sum(), weight * reject)
 
     walk(0, (), 1.0)
+    return out
+
+
+def _block_outcome_distribution(
+    p_rows: torch.Tensor, q_rows: torch.Tensor, tokens: list[int]
+) -> dict[tuple[tuple[int, ...], int], float]:
+    """The law of block verification's outcome for a chain of g = N - 1 drafts, in float64:
+    P(tau = t) = h_t * prod_{j > t} (1 - h_j) (h_0 = 1), then the last token from the scaled
+    residual norm(max(p_t P_t - Q_t, 0)) at t < g, from P_g at t = g."""
+    g = p_rows.shape[0] - 1
+    p = [1.0]
+    for j in range(1, g + 1):
+        x = tokens[j]
+        num = p[-1] * float(p_rows[j - 1, x])
+        qx = float(q_rows[j - 1, x])
+        p.append(0.0 if num <= 0 else (1.0 if num >= qx else num / qx))
+    h = [1.0]
+    for j in range(1, g + 1):
+        if j == g or p[j] >= 1.0:
+            h.append(p[j])
+        else:
+            r = float(torch.clamp(p[j] * p_rows[j] - q_rows[j], min=0).sum())
+            h.append(r / (r + 1.0 - p[j]))
+    out: dict[tuple[tuple[int, ...], int], float] = {}
+    for t in range(g + 1):
+        weight = h[t]
+        for j in range(t + 1, g + 1):
+            weight *= 1.0 - h[j]
+        if weight <= 0:
+            continue
+        if t == g:
+            dist = p_rows[g]
+        else:
+            resid = torch.clamp(p[t] * p_rows[t] - q_rows[t], min=0)
+            dist = resid / resid.sum() if float(resid.sum()) > 0 else p_rows[t]
+        for y in torch.nonzero(dist > 0).flatten().tolist():
+            key = (tuple(range(1, t + 1)), y)
+            out[key] = out.get(key, 0.0) + weight * float(dist[y])
     return out
 
 

@@ -325,6 +325,27 @@ def test_generate_honours_sampling_options(pair, capsys):
     assert out == tok.decode(want.sequences[0]) + "\n"
     code, again, _ = run_main(argv + opts, capsys)
     assert again == out
+    # --verify block: the engine's method="block" (with this seed its 40 tokens differ from
+    # method="exact"'s, so a CLI that dropped the option would fail here).
+    code, block_out, err = run_main(
+        argv + opts + ["--verify", "block", "--max-new-tokens", "40"], capsys
+    )
+    assert code == 0 and "block verification" in err, err
+    want = generate(
+        target,
+        [ids],
+        drafter=ModelDrafter(draft, mode="chain", k=3),
+        max_new_tokens=40,
+        temperature=0.9,
+        top_k=40,
+        top_p=0.9,
+        seed=7,
+        stop_token_ids=[tok.eos_id],
+        method="block",
+    )
+    assert block_out == tok.decode(want.sequences[0]) + "\n"
+    code, _, err = run_main(argv + ["--verify", "blocks"], capsys)
+    assert code == 2 and "--verify" in err
 
 
 @requires_pycode

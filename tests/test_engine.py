@@ -473,6 +473,9 @@ def sampling_models():
         "specformer-tree",
         "specformer-root",
         "edge",
+        "chain:block",
+        "chain-stop:block",
+        "combined:block",
     ],
 )
 def test_sampling_matches_the_target_distribution(kind, sampling_models):
@@ -480,8 +483,10 @@ def test_sampling_matches_the_target_distribution(kind, sampling_models):
     demonstrably detects a 1% shift of probability mass with these many draws. The combined
     drafters' steps mix rows of both drafters: deterministic drafts (n-gram trees cut to their
     first paths, or whole trees with siblings) verified through draft_deterministic beside the
-    draft model's sampled chains."""
+    draft model's sampled chains. A ":block" kind verifies with method="block" (block
+    verification of the sampled chains, "exact" for the deterministic rows)."""
     target, draft, prompt, probs = sampling_models
+    kind, _, method = kind.partition(":")
     if kind == "chain-stop-self":
         # The target drafting for itself under a confidence floor among its top probabilities
         # (0.47 to 0.73 here; the prompt's 0.73 above it): a floor that read the drawn token's
@@ -542,6 +547,7 @@ def test_sampling_matches_the_target_distribution(kind, sampling_models):
             max_new_tokens=3,
             temperature=1.0,
             seed=seeds,
+            method=method or "exact",
         )
         seqs = torch.tensor(out.sequences)
         index = seqs[:, 0] * SAMPLE_V**2 + seqs[:, 1] * SAMPLE_V + seqs[:, 2]
@@ -780,6 +786,10 @@ def test_bad_requests_raise_before_any_work(target, draft_model):
         )
     with pytest.raises(ValueError, match="method"):
         SpeculativeDecoder(target, method="nope")
+    with pytest.raises(ValueError, match="judge: method='block'"):
+        SpeculativeDecoder(target, method="block", judge=object())
+    with pytest.raises(ValueError, match="eps: method='block' does not use it"):
+        SpeculativeDecoder(target, method="block", eps=0.1)
     with pytest.raises(TypeError, match="drafter"):
         SpeculativeDecoder(target, object())
 

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from conftest import requires_cuda  # noqa: E402
 from reference_verify import outcome_distribution, processed_probs  # noqa: E402
 
-NUM_STAT_TESTS = 30  # at least the number of g_test calls in this file (25)
+NUM_STAT_TESTS = 40  # at least the number of g_test calls in this file (33)
 ALPHA = 1e-3 / NUM_STAT_TESTS
 N_DRAWS = 1_000_000  # outcomes per statistical case (the issue's number)
 CHUNK = 250_000  # rows per native call
@@ -597,6 +597,219 @@ def test_tree_siblings_first_token_lossless():
     g_test(hist(res.emitted[:, 0], v), dict(enumerate(p[0].tolist())), "siblings first token")
 
 
+# ---- block verification ------------------------------------------------------------------------
+
+BLOCK_CHAINS = {
+    # (drafts g, vocabulary, zeros per row, whether a draft of target probability 0 ends p early,
+    # seed); the seeds give draft tokens whose block law is far from the token-by-token one, with
+    # and without the processing (total variation 0.71-0.76 for the longer chains; a one-draft
+    # block is the same rule as token by token, accepted here with probability 0.56 / 0.49).
+    "one": (1, 6, 1, False, 304),
+    "three": (3, 8, 1, False, 324),
+    "five_dead_end": (5, 6, 2, True, 329),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(BLOCK_CHAINS))
+@pytest.mark.parametrize("processing", [{}, {"temperature": 0.7, "top_p": 0.9}])
+def test_block_outcomes_match_enumeration(case, processing):
+    """The law of (accepted drafts, final token) of a sampled chain under method="block" equals
+    block verification's closed form, for fixed draft tokens; with temperature and top-p the
+    closed form reads the processed target rows."""
+    g, v, zeros, dead_end, seed = BLOCK_CHAINS[case]
+    gen = torch.Generator().manual_seed(seed)
+    n, b = g + 1, CHUNK
+    logits = torch.log(rand_dist(gen, n, v, zeros=zeros))
+    q = rand_dist(gen, n, v, zeros=zeros)
+    p = processed_probs(logits, **processing)
+    # Tokens the draft could have sampled (q > 0), the last one of p = 0 in the dead-end case.
+    tokens = [0]
+    for j in range(g):
+        likely = [t for t in range(v) if q[j, t] > 0 and (p[j, t] > 0) != (dead_end and j == g - 2)]
+        tokens.append(likely[int(torch.randint(0, len(likely), (1,), generator=gen))])
+    target = logits.float().expand(b, n, v).contiguous()
+    draft = q.float().expand(b, n, v).contiguous()
+    tok = torch.tensor(tokens, dtype=torch.int32).expand(b, n).contiguous()
+    res = draws(
+        lambda base, m: ops.verify(
+            target[:m],
+            tok[:m],
+            draft_probs=draft[:m],
+            seed=seeds(m, base),
+            offset=7,
+            method="block",
+            **processing,
+        )
+    )
+    assert int(res.status.abs().sum()) == 0
+    law = outcome_distribution(p, tokens, q_rows=q, method="block")
+    assert abs(sum(law.values()) - 1) < 1e-9
+    if dead_end:
+        # p_j = 0 past the draft of probability 0: nothing after it is ever kept.
+        assert max(len(path) for path, _ in law) <= g - 2
+        assert int(res.num_accepted.max()) <= g - 2
+    g_test(outcome_counts(res), law, f"block {case} {processing}")
+
+
+def _sampled_chains(gen, q_tab, ctx, n, stop_token=None):
+    """Chains of n - 1 drafts sampled from the Markov draft q_tab after each row's context token;
+    with stop_token, a row's chain ends after its first draft equal to it (num_nodes): a length
+    the drafter chose from its own drafts."""
+    b = ctx.shape[0]
+    tokens = torch.zeros(b, n, dtype=torch.int64)
+    tokens[:, 0] = ctx
+    for i in range(1, n):
+        tokens[:, i] = torch.multinomial(q_tab[tokens[:, i - 1]], 1, generator=gen)[:, 0]
+    num_nodes = torch.full((b,), n, dtype=torch.int32)
+    if stop_token is not None:
+        hit = tokens[:, 1:] == stop_token
+        first = torch.where(hit.any(1), hit.int().argmax(1) + 2, n)
+        num_nodes = first.to(torch.int32)
+    return tokens, num_nodes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_token", [None, 0])
+def test_block_is_lossless_over_steps_and_accepts_more(stop_token):
+    """Several block-verified steps per row: the first three emitted tokens follow the target's
+    Markov chain exactly, also when the drafter ends a chain at a token of its choosing. On the
+    same drafts, block verification keeps more drafts per step than token-by-token ("exact")."""
+    gen = torch.Generator().manual_seed(310)
+    v, b, want, n = 6, N_DRAWS, 3, 4
+    p_tab, q_tab = markov_tables(gen, v)
+    out = torch.full((b, want + n), -1, dtype=torch.int64)
+    filled = torch.zeros(b, dtype=torch.int64)
+    ctx = torch.zeros(b, dtype=torch.int64)
+    rows = torch.arange(b)
+    accepted = {"block": 0, "exact": 0}
+    for step in range(want):
+        tokens, num_nodes = _sampled_chains(gen, q_tab, ctx, n, stop_token)
+        target = torch.log(p_tab[tokens]).float()
+        draft = q_tab[tokens].float()
+        results = {}
+        for method in ("block", "exact"):
+            results[method] = draws(
+                lambda base, m, s=step, meth=method, t=target, tk=tokens, nn=num_nodes, d=draft: (
+                    ops.verify(
+                        t[base : base + m],
+                        tk[base : base + m],
+                        num_nodes=nn[base : base + m],
+                        draft_probs=d[base : base + m],
+                        seed=seeds(m, s * b + base),
+                        offset=s,
+                        method=meth,
+                    )
+                )
+            )
+            accepted[method] += int(results[method].num_accepted.sum())
+        res = results["block"]
+        assert int(res.status.abs().sum()) == 0
+        m = res.num_emitted.long()
+        for j in range(res.emitted.shape[1]):
+            take = (j < m) & (filled + j < out.shape[1])
+            out[rows[take], (filled + j)[take]] = res.emitted[take, j].long()
+        filled += m
+        ctx = res.emitted.long().gather(1, (m - 1).unsqueeze(1)).squeeze(1)
+    assert bool((filled >= want).all())
+    codes = (out[:, 0] * v + out[:, 1]) * v + out[:, 2]
+    probs = {}
+    for a in range(v):
+        for c in range(v):
+            for d in range(v):
+                pr = float(p_tab[0, a] * p_tab[a, c] * p_tab[c, d])
+                if pr > 0:
+                    probs[(a * v + c) * v + d] = pr
+    g_test(hist(codes, v**3), probs, f"block joint of 3 tokens (stop {stop_token})")
+    # A 3-draft chain of this pair keeps about 5 % more drafts per step; the two sums differ by
+    # hundreds of standard errors (each below 2e3 here).
+    assert accepted["block"] > 1.02 * accepted["exact"], accepted
+
+
+def test_block_equals_exact_off_sampled_chains():
+    """method="block" changes only sampled chains: deterministic drafts, rows flagged in
+    draft_deterministic and branching trees are verified exactly as by method="exact", token for
+    token; a chain given through parents is the chain without them; greedy rows are greedy."""
+    gen = torch.Generator().manual_seed(320)
+    b, n, v = 24, 5, 300
+    logits = torch.randn(b, n, v, generator=gen) * 2
+    q = torch.softmax(torch.randn(b, n, v, generator=gen) * 2, -1)
+    tokens = torch.randint(0, v, (b, n), generator=gen)
+    tokens[:, 1] = logits[:, 0].argmax(-1)
+    tree = torch.tensor([-1, 0, 0, 1, 2], dtype=torch.int32).expand(b, n).contiguous()
+    chain = torch.tensor([-1, 0, 1, 2, 3], dtype=torch.int32).expand(b, n).contiguous()
+    flagged = torch.arange(b) % 2 == 0
+    kw = dict(seed=seeds(b), offset=5, top_p=0.95)
+
+    def same(x, y):
+        for name, a, c in zip(x._fields, x, y):
+            assert torch.equal(a, c), name
+
+    same(ops.verify(logits, tokens, method="block", **kw), ops.verify(logits, tokens, **kw))
+    same(
+        ops.verify(logits, tokens, parents=tree, draft_probs=q, method="block", **kw),
+        ops.verify(logits, tokens, parents=tree, draft_probs=q, **kw),
+    )
+    # Flagged rows: deterministic (as "exact"); the others sampled chains (block).
+    mixed = ops.verify(
+        logits, tokens, draft_probs=q, draft_deterministic=flagged, method="block", **kw
+    )
+    same_rows = ops.verify(logits, tokens, **kw)
+    block_rows = ops.verify(logits, tokens, draft_probs=q, method="block", **kw)
+    for name, x, det, blk in zip(mixed._fields, mixed, same_rows, block_rows):
+        assert torch.equal(x[flagged], det[flagged]), name
+        assert torch.equal(x[~flagged], blk[~flagged]), name
+    num_nodes = torch.randint(1, n + 1, (b,), generator=gen, dtype=torch.int32)
+    same(
+        ops.verify(
+            logits, tokens, parents=chain, num_nodes=num_nodes, draft_probs=q, method="block", **kw
+        ),
+        ops.verify(logits, tokens, num_nodes=num_nodes, draft_probs=q, method="block", **kw),
+    )
+    cold = dict(kw, temperature=torch.where(flagged, 0.0, 1.0))
+    greedy = ops.verify(logits, tokens, draft_probs=q, method="block", **cold)
+    plain = ops.verify(logits, tokens, draft_probs=q, method="greedy", **kw)
+    assert torch.equal(greedy.emitted[flagged], plain.emitted[flagged])
+    # Where "block" and "exact" both keep a whole chain, the bonus token is the same draw.
+    high = torch.softmax(logits, -1)
+    chain_tokens = torch.zeros(b, n, dtype=torch.int64)
+    for j in range(1, n):
+        chain_tokens[:, j] = high[:, j - 1].argmax(-1)
+    both = [
+        ops.verify(logits, chain_tokens, draft_probs=high, method=m, **kw)
+        for m in ("block", "exact")
+    ]
+    full = (both[0].num_accepted == n - 1) & (both[1].num_accepted == n - 1)
+    assert bool(full.any())
+    assert torch.equal(both[0].emitted[full], both[1].emitted[full])
+
+
+def test_block_bad_rows_and_refusals():
+    """A bad target or draft row met by the block walk ends the sequence with its status and
+    no final token; allow= is refused (a block is judged whole)."""
+    b, n, v = 3, 4, 10
+    logits = torch.zeros(b, n, v)
+    q = torch.full((b, n, v), 0.1)
+    tokens = torch.ones(b, n, dtype=torch.int32)
+    logits[0, 2, 3] = math.nan  # row 2 is read: p stays 1 along a chain where p = q
+    q[1, 1, 1] = math.nan  # the draft's q(x) at node 1
+    res = ops.verify(logits, tokens, draft_probs=q, method="block", seed=seeds(b), offset=0)
+    assert res.status.tolist() == [ops.STATUS_NON_FINITE, ops.STATUS_BAD_DRAFT, 0]
+    assert res.num_emitted[:2].tolist() == res.num_accepted[:2].tolist()
+    # p = q everywhere: every h is 1, so the whole chain is kept and the bonus drawn.
+    assert res.num_accepted[2] == n - 1 and res.num_emitted[2] == n
+    with pytest.raises(ValueError, match="allow: method='block'"):
+        ops.verify(
+            logits,
+            tokens,
+            draft_probs=q,
+            method="block",
+            allow=torch.ones(b, n, dtype=torch.bool),
+            seed=0,
+            offset=0,
+        )
+
+
 # ---- lossy modes -------------------------------------------------------------------------------
 
 
@@ -995,6 +1208,10 @@ for v in (3001, 4352):
         (probs.bfloat16(), dict(target_is_logits=False, draft_probs=q.bfloat16())),
         (logits.half(), dict(draft_probs=q.half())),
         (logits, dict(draft_probs=q.bfloat16())),
+        (logits, dict(draft_probs=q, method="block")),
+        (logits, dict(draft_probs=torch.softmax(logits * 0.8, -1), method="block", top_p=0.9)),
+        (probs, dict(target_is_logits=False, draft_probs=q, method="block", top_k=60)),
+        (logits.bfloat16(), dict(draft_probs=q.bfloat16(), method="block")),
         (bad, dict(draft_probs=q)),
         (badp, dict(target_is_logits=False, draft_probs=q)),
     ]
@@ -1462,6 +1679,12 @@ def final_draw_cases(v: int) -> list:
     bad_q[6, 0, v // 2] = float("nan")
     bad_logits = logits.clone()
     bad_logits[6, 0, tokens[6, 1]] = -float("inf")  # p(x) = 0: rejected, then the NaN is met
+    # Chains of each row's most likely tokens, and a draft a little flatter than the target.
+    likely = torch.zeros(b, n, dtype=torch.int64)
+    likely[:, 1:] = logits[:, :-1].argmax(-1)
+    near = torch.softmax(logits * 0.8, -1)
+    chain = torch.arange(-1, n - 1, dtype=torch.int32).expand(b, n).contiguous()
+    lens = (torch.arange(b, dtype=torch.int32) % n) + 1
     return [
         (logits, tokens, dict(draft_probs=q)),
         (logits, tokens, dict(draft_probs=q, top_k=40, top_p=0.8, temperature=0.7)),
@@ -1481,6 +1704,14 @@ def final_draw_cases(v: int) -> list:
         (probs, tokens, dict(target_is_logits=False, parents=tree)),
         (logits.bfloat16(), tokens, dict(draft_probs=q.bfloat16(), parents=tree)),
         (logits.half(), tokens, dict(draft_probs=q.half())),
+        # Block verification: random chains (early p = 0), chains of likely drafts (every tau,
+        # corrections from scaled residuals at every node), q >= p (empty residuals: h = 0 and
+        # the correction from p itself), chains given through parents with variable lengths.
+        (logits, tokens, dict(draft_probs=q, method="block")),
+        (logits, likely, dict(draft_probs=near, method="block", top_p=0.9, temperature=0.8)),
+        (logits, likely, dict(draft_probs=near, method="block", parents=chain, num_nodes=lens)),
+        (probs, likely, dict(target_is_logits=False, draft_probs=ones, method="block")),
+        (logits.bfloat16(), likely, dict(draft_probs=near.bfloat16(), method="block")),
         (bad_logits, tokens, dict(draft_probs=bad_q)),
     ]
 
@@ -1880,6 +2111,7 @@ def backend_parity_cases(gen: torch.Generator, v: int, b: int, n: int, dtype: to
     deterministic = torch.arange(b) % 3 == 1
     mixed_q = q.clone()
     mixed_q[deterministic] = float("nan")
+    near = torch.softmax(logits.float() * 0.8, -1).to(dtype)
     cases = [
         dict(),
         dict(draft_probs=q),
@@ -1895,6 +2127,13 @@ def backend_parity_cases(gen: torch.Generator, v: int, b: int, n: int, dtype: to
         dict(draft_probs=q, temperature=torch.linspace(0.0, 1.5, b)),  # greedy rows among them
         # Sampled and deterministic trees in one batch; the deterministic rows' q is never read.
         dict(draft_probs=mixed_q, draft_deterministic=deterministic, parents=parents),
+        # Block verification: chains (and the tree's rows verified as "exact"), a chain of
+        # likely drafts with a flatter draft, empty residuals, the NaN met by a residual.
+        dict(draft_probs=q, method="block"),
+        dict(draft_probs=q, parents=parents, method="block"),
+        dict(draft_probs=near, method="block", top_k=20, top_p=0.9, temperature=0.7),
+        dict(draft_probs=torch.ones_like(q), method="block"),
+        dict(draft_probs=bad_q, method="block"),
     ]
     return logits, tokens, cases
 

@@ -676,6 +676,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             stop_token_ids=loaded.codec.stop_ids,
             on_step=streamer,
             judge=judge,
+            method=args.verify,
         )
     except (TypeError, ValueError) as exc:
         raise CLIError(str(exc)) from None
@@ -698,7 +699,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         f"[{args.drafter}] {stats.summary()}\n"
         f"[{args.drafter}] finish: {out.finish_reasons[0]}; prompt {len(ids)} tokens; "
         f"accept rate by draft position: {accepted}; temperature {args.temperature}, "
-        f"top-k {args.top_k}, top-p {args.top_p}, seed {seed}, {threads} torch "
+        f"top-k {args.top_k}, top-p {args.top_p}, seed {seed}, {args.verify} verification, "
+        f"{threads} torch "
         f"thread{'s' if threads != 1 else ''}, on {_device_name(device)}\n"
     )
     if judge is not None:
@@ -1536,6 +1538,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="draft model drafters: end a draft where the draft model's top next-token "
         "probability is below P, in (0, 1] (default: draft k tokens whatever the confidence)",
+    )
+    p_gen.add_argument(
+        "--verify",
+        choices=("exact", "block"),
+        default="exact",
+        help="how sampled drafts are verified, both lossless: exact (token by token, default) "
+        "or block (block verification: a draft model's sampled chains keep at least as many "
+        "tokens per step in expectation; other drafts as exact); greedy decoding is the same "
+        "with both",
     )
     p_gen.add_argument(
         "--judge",

@@ -44,10 +44,11 @@ __all__ = [
     "generate",
 ]
 
-_METHODS = ("exact", "greedy", "typical", "relaxed", "topk_accept")
+_METHODS = ("exact", "block", "greedy", "typical", "relaxed", "topk_accept")
 # The options of ops.verify each method reads.
 _METHOD_OPTIONS = {
     "exact": (),
+    "block": (),
     "greedy": (),
     "typical": ("eps", "alpha"),
     "relaxed": ("eps", "correction"),
@@ -965,8 +966,10 @@ class SpeculativeDecoder:
         and at each running row's root and accepted nodes (:mod:`specdecode.specformer`).
     method : str
         Verification rule of :func:`specdecode.ops.verify`: ``"exact"`` (lossless, default),
-        ``"greedy"``, or the lossy ``"typical"``, ``"relaxed"``, ``"topk_accept"``. Sequences with
-        temperature 0 are verified greedily whatever the method.
+        ``"block"`` (lossless block verification: sampled chains keep at least as many drafts
+        per step in expectation; other drafts are verified as by ``"exact"``), ``"greedy"``, or
+        the lossy ``"typical"``, ``"relaxed"``, ``"topk_accept"``. Sequences with temperature 0
+        are verified greedily whatever the method.
     max_nodes : int
         Largest tree (root included) scored per sequence and step; bigger drafts are pruned
         (the target cache reserves this many slots beyond the longest sequence).
@@ -1029,6 +1032,11 @@ class SpeculativeDecoder:
         if budget is not None and not isinstance(budget, (AdaptiveBudget, CostAwareBudget)):
             raise TypeError(
                 f"budget: expected an AdaptiveBudget, a CostAwareBudget or None, got {budget!r}"
+            )
+        if judge is not None and method == "block":
+            raise ValueError(
+                "judge: method='block' judges each chain as one block, a judge's single nodes "
+                "cannot be allowed in it; use method='greedy' (or 'exact') with a judge"
             )
         if judge is not None and not callable(getattr(judge, "allow", None)):
             raise TypeError(

@@ -71,6 +71,7 @@ enum Method : int32_t {
   kTypical = 2,
   kRelaxed = 3,
   kTopKAccept = 4,
+  kBlock = 5,  // block verification of sampled chains (see walk_block_chain); else as kExact
 };
 
 // Bits of the per-sequence status. The low bits flag data the walk met (the sequence's outputs
@@ -1108,6 +1109,16 @@ SD_HD_INLINE int next_child(const int32_t* parents, int node, int after, int cou
   return -1;
 }
 
+// Whether the first `count` nodes form a chain (each node has at most one child): in the tree
+// format, where parents come before their children, exactly when node i's parent is i - 1.
+SD_HD_INLINE bool is_chain(const int32_t* parents, int count) {
+  if (!parents) return true;
+  for (int i = 1; i < count; ++i) {
+    if (parents[i] != i - 1) return false;
+  }
+  return true;
+}
+
 SD_HD_INLINE float draw_uniform(const SeqParams& sp, int node, RandPurpose purpose) {
   return uniform_from_bits(
       philox_draw(sp.seed, sp.offset, static_cast<uint32_t>(node), purpose, 0).v[0]);
@@ -1157,6 +1168,9 @@ struct FinalDraw {
   float scaled_max;
   float wmin;
   float total;
+  // kFinalResidual at level 0: the draw is from norm(max(residual_scale * p - q, 0)); 1 except
+  // for block verification, whose correction scales p by the block's p_tau (<= 1).
+  float residual_scale;
   int32_t num_tried;            // kFinalMasked: tokens tried[0 .. num_tried) are removed
   int32_t tried[kMaxSiblings];  //
   SiblingLevels lv;             // kFinalResidual / kFinalLevel: the levels of p_L and q_L
@@ -1238,6 +1252,107 @@ SD_HD_INLINE const Q* final_draft_row(const VerifyArgs& a, int64_t b, int node) 
   return draft ? draft + static_cast<int64_t>(node) * a.vocab : nullptr;
 }
 
+// ---- block verification of a sampled chain (method kBlock) -----------------------------------
+// Sun et al., "Block Verification Accelerates Speculative Decoding" (ICLR 2025): the drafts
+// x_1 .. x_g of a chain sampled from q are judged as one block. With P_j and Q_j the target's and
+// the draft's rows at node j (node j's child is x_{j+1}):
+//   p_0 = 1,   p_j = min(1, p_{j-1} P_{j-1}(x_j) / Q_{j-1}(x_j))
+//   r_j = sum_y max(p_j P_j(y) - Q_j(y), 0)
+//   h_j = r_j / (r_j + 1 - p_j) for 1 <= j < g (1 where p_j = 1),   h_g = p_g
+// tau is the largest j >= 1 with u_j < h_j (0 if there is none): x_1 .. x_tau are accepted, and
+// the last token is drawn from norm(max(p_tau P_tau - Q_tau, 0)) (tau < g) or from P_g (tau = g).
+// The emitted tokens follow the target's law, as token-by-token verification's do, also when the
+// drafter chose the chain's length from its own drafts; in expectation no valid rule accepts more
+// of a block, and a draft that the token-by-token test would reject is still kept when a later
+// test passes. Once p_j = 0 every later h is 0, so no row past it is read. The uniforms are the
+// token-by-token walk's: u_j is node j's kAccept draw, the final draw node tau's (or g's) kSample.
+// A bad row met on the way ends the sequence with the drafts accepted before it and no final
+// token (its status says why), as the token-by-token walk does at the node it stops.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Ex, class T, class Q>
+SD_HOST_DEVICE int32_t walk_block_chain(Ex& ex, const VerifyArgs& a, int64_t b, int count,
+                                        const SeqParams& sp, const Q* draft, FinalDraw& fd) {
+  const int64_t vocab = a.vocab;
+  const T* target = static_cast<const T*>(a.target) + b * a.n * vocab;
+  const int32_t* tokens = a.tokens + b * a.n;
+  const int g = count - 1;
+  int32_t status = 0;
+  float p = 1.f;  // p_j of the node j the loop is at
+  int tau = 0;
+  float p_tau = 1.f;
+  RowState st_tau;
+  st_tau.status = -1;  // not met yet: tau = 0 takes its row below
+  int last = -1;       // the row the executor's chunk data belongs to
+  for (int j = 0; j <= g; ++j) {
+    const T* trow = target + static_cast<int64_t>(j) * vocab;
+    const RowState st = prepare_row(ex, trow, vocab, sp, true);
+    if (st.status) {
+      status |= st.status;
+      break;
+    }
+    last = j;
+    const RowWeight<T> weight = row_weight_of(trow, sp.inv_temp, st);
+    const Q* qrow = draft + static_cast<int64_t>(j) * vocab;
+    const float inv_total = fdiv(1.f, st.total);
+    if (j == 0) st_tau = st;
+    if (j >= 1) {
+      float h = p;  // h_g = p_g; h_j = 1 where p_j = 1
+      if (j < g && p < 1.f) {
+        const float r =
+            ex.chunk_sums(vocab, FirstResidualWeight<T, Q>{weight, qrow, fmul(inv_total, p)}, 1);
+        if (is_nan(r)) {
+          status |= kBadDraftRow;
+          break;
+        }
+        h = fdiv(r, fadd(r, fsub(1.f, p)));
+      }
+      if (draw_uniform(sp, j, RandPurpose::kAccept) < h) {
+        tau = j;
+        p_tau = p;
+        st_tau = st;
+      }
+    }
+    if (j == g) break;
+    const int32_t x = tokens[j + 1];
+    const float qx = load_elem(qrow, x);
+    if (bad_prob(qx)) {
+      status |= kBadDraftRow;
+      break;
+    }
+    // min(1, p P(x) / q(x)); a draft with q(x) = 0 counts as infinitely unlikely (p = 1 iff
+    // p P(x) > 0), as in the token-by-token test u q(x) < p(x).
+    const float num = fmul(p, fmul(weight(x), inv_total));
+    p = num > 0.f ? (num >= qx ? 1.f : fdiv(num, qx)) : 0.f;
+    if (!(p > 0.f)) break;
+  }
+  if (ex.leader()) {
+    int32_t* emitted = a.emitted + b * (a.max_depth + 1);
+    int32_t* path = a.path + b * (a.max_depth + 1);
+    for (int i = 1; i <= tau; ++i) {
+      emitted[i - 1] = tokens[i];
+      path[i] = i;
+    }
+  }
+  fd.accepted = tau;
+  if (status != 0) return status;
+  if (tau < g && last != tau) {
+    // The correction reads row tau's chunk maxima and scales: take them again (same numbers).
+    prepare_row(ex, target + static_cast<int64_t>(tau) * vocab, vocab, sp, true);
+  }
+  fd.form = tau == g ? kFinalRow : kFinalResidual;
+  fd.node = tau;
+  fd.residual_scale = tau == g ? 1.f : p_tau;
+  fd.u = draw_uniform(sp, tau, RandPurpose::kSample);
+  fd.inv_temp = sp.inv_temp;
+  fd.kth = st_tau.kth;
+  fd.scaled_max = st_tau.scaled_max;
+  fd.wmin = st_tau.wmin;
+  fd.total = st_tau.total;
+  return status;
+}
+
 // ---- the walk (phase 1) -----------------------------------------------------------------------
 
 // Walks sequence b and leaves its final draw in fd (see above). Every thread of a GPU block runs
@@ -1265,6 +1380,7 @@ SD_HOST_DEVICE void walk_sequence(Ex& ex, const VerifyArgs& a, int64_t b, FinalD
   fd.scaled_max = 0.f;
   fd.wmin = 0.f;
   fd.total = 0.f;
+  fd.residual_scale = 1.f;
   fd.num_tried = 0;
   SiblingLevels& lv = fd.lv;
   lv.levels = 0;
@@ -1306,7 +1422,8 @@ SD_HOST_DEVICE void walk_sequence(Ex& ex, const VerifyArgs& a, int64_t b, FinalD
   // kMaxSiblings slots (exact and relaxed sampling), the children per node: so that whether a
   // row is refused depends on its tree, not on where the draws lead the walk (which checks
   // again as it goes, for the bounds of its arrays). Only where a tree could break a limit.
-  const bool sibling_limit = !greedy && (a.method == kExact || a.method == kRelaxed);
+  const bool sibling_limit =
+      !greedy && (a.method == kExact || a.method == kRelaxed || a.method == kBlock);
   if (status == 0 && !parents && count - 1 > a.max_depth) status |= kDepthOverflow;
   if (status == 0 && parents &&
       (count - 1 > a.max_depth || (sibling_limit && count - 1 > kMaxSiblings))) {
@@ -1318,6 +1435,10 @@ SD_HOST_DEVICE void walk_sequence(Ex& ex, const VerifyArgs& a, int64_t b, FinalD
   int accepted_count = 0;
   int node = 0;
   if (status == 0 && ex.leader()) path[0] = 0;
+  if (status == 0 && a.method == kBlock && draft && !greedy && is_chain(parents, count)) {
+    fd.status = walk_block_chain<Ex, T, Q>(ex, a, b, count, sp, draft, fd);
+    return;
+  }
   while (status == 0) {
     const int64_t row_index = b * n + node;
     const T* trow = target + row_index * vocab;
@@ -1527,8 +1648,9 @@ SD_HOST_DEVICE void final_chunk_sums(Ex& ex, const VerifyArgs& a, int64_t b, con
     ex.range_sums(a.vocab, LevelWeight<T, Q>{weight, qrow, &fd.lv, inv_total}, c_begin, c_end,
                   rows.sums);
   } else if (fd.lv.levels == 0) {
-    ex.range_sums(a.vocab, FirstResidualWeight<T, Q>{weight, qrow, inv_total}, c_begin, c_end,
-                  rows.sums);
+    ex.range_sums(a.vocab,
+                  FirstResidualWeight<T, Q>{weight, qrow, fmul(inv_total, fd.residual_scale)},
+                  c_begin, c_end, rows.sums);
   } else {
     ex.range_sums(a.vocab, ResidualWeight<T, Q>{weight, qrow, &fd.lv, inv_total}, c_begin, c_end,
                   rows.sums);
@@ -1589,7 +1711,8 @@ SD_HOST_DEVICE void finish_sequence(Ex& ex, const VerifyArgs& a, int64_t b, cons
         if (from_level) {
           token = pick_by_cdf(level, rows.sums, vocab, total, fd.u);
         } else if (fd.lv.levels == 0) {
-          token = pick_by_cdf(FirstResidualWeight<T, Q>{weight, qrow, inv_total}, rows.sums, vocab,
+          const float scaled = fmul(inv_total, fd.residual_scale);
+          token = pick_by_cdf(FirstResidualWeight<T, Q>{weight, qrow, scaled}, rows.sums, vocab,
                               total, fd.u);
         } else {
           token = pick_by_cdf(ResidualWeight<T, Q>{weight, qrow, &fd.lv, inv_total}, rows.sums,

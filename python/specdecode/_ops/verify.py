@@ -47,7 +47,7 @@ STATUS_BAD_DRAFT = 4
 
 _STATUS_BAD_TREE, _STATUS_BAD_TOKEN, _STATUS_DEPTH, _STATUS_SIBLINGS = 16, 32, 64, 128
 
-_METHODS = {"exact": 0, "greedy": 1, "typical": 2, "relaxed": 3, "topk_accept": 4}
+_METHODS = {"exact": 0, "greedy": 1, "typical": 2, "relaxed": 3, "topk_accept": 4, "block": 5}
 
 _CPU_FINAL_SLICES = 0
 """Testing knob (not API): with a value >= 1, CPU calls take the final draw's chunk sums in that
@@ -665,6 +665,22 @@ def verify(
         tried token); deterministic children are accepted with
         ``p(c) / (1 - p(tried children))`` and the residual is p without the tried children.
         The output is distributed exactly as the target's sampling distribution.
+        ``"block"`` (lossless; Sun et al., "Block Verification Accelerates Speculative
+        Decoding", ICLR 2025): a chain sampled from q is judged as one block instead of token by
+        token. With ``p_0 = 1``, ``p_j = min(1, p_{j-1} p(x_j) / q(x_j))`` along the chain and
+        ``r_j = sum max(p_j p - q, 0)`` of node j's rows, the drafts ``x_1 .. x_tau`` are kept
+        for the largest ``tau`` whose test ``u_j < r_j / (r_j + 1 - p_j)`` passes (``u_g < p_g``
+        at the last draft ``g``), and the last token comes from ``norm(max(p_tau p - q, 0))``
+        (or p past the last draft). Distributed exactly as the target's sampling distribution,
+        also when the drafter chose the chain's length from its drafts; in expectation it accepts
+        at least as many drafts as ``"exact"`` (a draft the token-by-token test would reject is
+        kept when a later test passes) and no valid rule accepts more of a block. It reads every
+        row up to the first ``p_j = 0`` (one more pass over each row than ``"exact"`` until its
+        first rejection). Applies to sequences with sampled drafts (``draft_probs``, not
+        ``draft_deterministic``) whose nodes form a chain; the others are verified as with
+        ``"exact"`` (for deterministic drafts that is already the most any valid rule accepts).
+        Uses the same uniforms as ``"exact"``: where both accept everything, they emit the
+        same tokens.
         ``"greedy"``: follow the child equal to the target's argmax (ties: lowest id), emit the
         argmax at the stop; exact for temperature 0.
         ``"typical"`` (lossy, Medusa): accept the first child with
@@ -691,7 +707,7 @@ def verify(
     allow : torch.Tensor or array-like, optional
         bool ``[B, N]``: node ``i`` is accepted regardless of the rule when its parent is reached
         (the hook for judges and importance-based verifiers). Gives up exactness wherever it is
-        set.
+        set. Not with ``method="block"``, whose decision is one for the whole chain.
     max_depth : int, optional
         ``D``, the width of the outputs minus one. Default: ``N - 1`` for chains, the largest
         depth of the trees (computed with :func:`tree_info`, a device sync on a GPU).
@@ -764,6 +780,11 @@ def verify(
     deterministic_t = _draft_deterministic(draft_deterministic, draft_t, batch, device)
     allow_t = None
     if allow is not None:
+        if method == "block":
+            raise ValueError(
+                "allow: method='block' judges a chain as one block, a node cannot be allowed "
+                "alone; use method='exact' or 'greedy' with allow"
+            )
         allow_t = _tensor(allow, "allow", "bool", _BOOL_DTYPES)
         if allow_t.dtype not in (torch.bool, torch.uint8):
             raise TypeError(f"allow: expected {_BOOL_DTYPES}, got {allow_t.dtype}")
