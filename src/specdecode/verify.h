@@ -1298,8 +1298,11 @@ SD_HOST_DEVICE int32_t walk_block_chain(Ex& ex, const VerifyArgs& a, int64_t b, 
     const float inv_total = fdiv(1.f, st.total);
     if (j == 0) st_tau = st;
     if (j >= 1) {
+      // h_j <= p_j (r_j <= p_j), so where u_j >= p_j the test fails without the pass over the
+      // rows that r_j takes: a chain whose p has fallen costs no residual passes.
+      const float u = draw_uniform(sp, j, RandPurpose::kAccept);
       float h = p;  // h_g = p_g; h_j = 1 where p_j = 1
-      if (j < g && p < 1.f) {
+      if (j < g && p < 1.f && u < p) {
         const float r =
             ex.chunk_sums(vocab, FirstResidualWeight<T, Q>{weight, qrow, fmul(inv_total, p)}, 1);
         if (is_nan(r)) {
@@ -1308,7 +1311,7 @@ SD_HOST_DEVICE int32_t walk_block_chain(Ex& ex, const VerifyArgs& a, int64_t b, 
         }
         h = fdiv(r, fadd(r, fsub(1.f, p)));
       }
-      if (draw_uniform(sp, j, RandPurpose::kAccept) < h) {
+      if (u < h) {
         tau = j;
         p_tau = p;
         st_tau = st;
