@@ -476,6 +476,7 @@ def sampling_models():
         "chain:block",
         "chain-stop:block",
         "combined:block",
+        "specformer:block",
     ],
 )
 def test_sampling_matches_the_target_distribution(kind, sampling_models):
