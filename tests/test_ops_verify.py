@@ -463,6 +463,33 @@ def markov_tables(gen: torch.Generator, v: int) -> tuple[torch.Tensor, torch.Ten
     return p, q
 
 
+def commit_emitted(res, out: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    """Appends each row's emitted tokens to ``out`` [B, W] from column ``filled[row]`` on (as far
+    as W goes), advances ``filled`` and returns each row's last emitted token (its next root)."""
+    m = res.num_emitted.long()
+    rows = torch.arange(out.shape[0])
+    for j in range(res.emitted.shape[1]):
+        take = (j < m) & (filled + j < out.shape[1])
+        out[rows[take], (filled + j)[take]] = res.emitted[take, j].long()
+    filled += m
+    return res.emitted.long().gather(1, (m - 1).unsqueeze(1)).squeeze(1)
+
+
+def g_test_three_tokens(out: torch.Tensor, p_tab: torch.Tensor, what: str) -> None:
+    """G-test of the first three tokens of every row of ``out`` against the target's Markov law
+    p(x1|0) p(x2|x1) p(x3|x2)."""
+    v = p_tab.shape[0]
+    codes = (out[:, 0] * v + out[:, 1]) * v + out[:, 2]
+    probs = {}
+    for a in range(v):
+        for c in range(v):
+            for d in range(v):
+                pr = float(p_tab[0, a] * p_tab[a, c] * p_tab[c, d])
+                if pr > 0:
+                    probs[(a * v + c) * v + d] = pr
+    g_test(hist(codes, v**3), probs, what)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_joint_of_three_emitted_tokens_with_context(shape):
@@ -481,7 +508,6 @@ def test_joint_of_three_emitted_tokens_with_context(shape):
     out = torch.full((b, want + n), -1, dtype=torch.int64)
     filled = torch.zeros(b, dtype=torch.int64)
     ctx = torch.zeros(b, dtype=torch.int64)
-    rows = torch.arange(b)
     for step in range(want):
         tokens = torch.zeros(b, n, dtype=torch.int64)
         tokens[:, 0] = ctx
@@ -506,24 +532,9 @@ def test_joint_of_three_emitted_tokens_with_context(shape):
                 offset=s,
             )
         )
-        m = res.num_emitted.long()
-        for j in range(res.emitted.shape[1]):
-            take = (j < m) & (filled + j < out.shape[1])
-            out[rows[take], (filled + j)[take]] = res.emitted[take, j].long()
-        last = res.emitted.long().gather(1, (m - 1).unsqueeze(1)).squeeze(1)
-        filled += m
-        ctx = last
+        ctx = commit_emitted(res, out, filled)
     assert bool((filled >= want).all())
-    codes = (out[:, 0] * v + out[:, 1]) * v + out[:, 2]
-    counts = hist(codes, v**3)
-    probs = {}
-    for a in range(v):
-        for c in range(v):
-            for d in range(v):
-                pr = float(p_tab[0, a] * p_tab[a, c] * p_tab[c, d])
-                if pr > 0:
-                    probs[(a * v + c) * v + d] = pr
-    g_test(counts, probs, f"joint of 3 tokens ({shape})")
+    g_test_three_tokens(out, p_tab, f"joint of 3 tokens ({shape})")
 
 
 TREES = {
@@ -681,7 +692,6 @@ def test_block_is_lossless_over_steps_and_accepts_more(stop_token):
     out = torch.full((b, want + n), -1, dtype=torch.int64)
     filled = torch.zeros(b, dtype=torch.int64)
     ctx = torch.zeros(b, dtype=torch.int64)
-    rows = torch.arange(b)
     accepted = {"block": 0, "exact": 0}
     for step in range(want):
         tokens, num_nodes = _sampled_chains(gen, q_tab, ctx, n, stop_token)
@@ -705,22 +715,9 @@ def test_block_is_lossless_over_steps_and_accepts_more(stop_token):
             accepted[method] += int(results[method].num_accepted.sum())
         res = results["block"]
         assert int(res.status.abs().sum()) == 0
-        m = res.num_emitted.long()
-        for j in range(res.emitted.shape[1]):
-            take = (j < m) & (filled + j < out.shape[1])
-            out[rows[take], (filled + j)[take]] = res.emitted[take, j].long()
-        filled += m
-        ctx = res.emitted.long().gather(1, (m - 1).unsqueeze(1)).squeeze(1)
+        ctx = commit_emitted(res, out, filled)
     assert bool((filled >= want).all())
-    codes = (out[:, 0] * v + out[:, 1]) * v + out[:, 2]
-    probs = {}
-    for a in range(v):
-        for c in range(v):
-            for d in range(v):
-                pr = float(p_tab[0, a] * p_tab[a, c] * p_tab[c, d])
-                if pr > 0:
-                    probs[(a * v + c) * v + d] = pr
-    g_test(hist(codes, v**3), probs, f"block joint of 3 tokens (stop {stop_token})")
+    g_test_three_tokens(out, p_tab, f"block joint of 3 tokens (stop {stop_token})")
     # A 3-draft chain of this pair keeps about 5 % more drafts per step; the two sums differ by
     # hundreds of standard errors (each below 2e3 here).
     assert accepted["block"] > 1.02 * accepted["exact"], accepted
