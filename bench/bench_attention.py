@@ -24,7 +24,7 @@ it: the ceiling for those exact buffers.
 
 Run under the shared lock so benchmarks never overlap:
     flock /tmp/specdecode-bench.lock python bench/bench_attention.py [--quick] [--device cuda]
-        [--isa avx512bf16 | avx512 | avx2 | generic]
+        [--isa amx | avx512bf16 | avx512 | avx2 | generic]
 """
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ def main() -> None:
     parser.add_argument(
         "--isa",
         default="",
-        help="CPU kernels to run: avx512bf16, avx512, avx2 or generic (default: the widest this "
-        "CPU has), to measure a narrower instruction set on a wider machine",
+        help="CPU kernels to run: amx, avx512bf16, avx512, avx2 or generic (default: the widest "
+        "this CPU has), to measure a narrower instruction set on a wider machine",
     )
     parser.add_argument(
         "--pause-ms",

@@ -31,8 +31,13 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
+#include <cpuid.h>
 #include <immintrin.h>
 #define SD_X86 1
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 #include "specdecode/attention.h"
@@ -165,6 +170,7 @@ SD_FORCE_INLINE void generic_pv(const float* p, int rows, int n, const typename 
 }
 
 struct GenericKernels {
+  static constexpr bool kAmx = false;        // the tiles' products on AMX (AmxKernels)
   static constexpr bool kStream = false;     // no stream_scores: prefix blocks use the tiles
   static constexpr bool kTilePairs = false;  // the tiles' P V in fp32 (see attend_range)
   static constexpr int kStreamRows = 0;
@@ -552,6 +558,7 @@ namespace lanes_avx2 {
 }  // namespace lanes_avx2
 
 struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
+  static constexpr bool kAmx = false;
   static constexpr bool kStream = true;
   static constexpr bool kTilePairs = false;
   // Up to 4 rows (T = 1 at GQA 4) the streaming path is faster than the AVX2 tiles: from DRAM,
@@ -1119,6 +1126,7 @@ namespace lanes_avx512 {
 }  // namespace lanes_avx512
 
 struct Avx512Kernels : lanes_avx512::LaneKernels<Avx512Kernels> {
+  static constexpr bool kAmx = false;
   static constexpr bool kStream = true;
   static constexpr bool kTilePairs = false;
   // Up to 4 rows (T = 1 at GQA 4) the prefix takes the streaming path (stream_range), which is
@@ -1715,18 +1723,192 @@ struct Avx512Bf16Kernels : Avx512Kernels {
     }
   }
 };
+// ---- AMX tiles (bf16, more than 16 query rows per KV head) ------------------------------------
+// On CPUs with AMX (Intel Xeon since Sapphire Rapids) the tiles' two products run as tile
+// multiplies: 8 query rows (kRowTile) by 16 keys for the scores, 8 rows by 16 head-dim columns
+// for the P V, 32 bf16 pairs deep per tdpbf16ps. Both B operands are what the AVX512_BF16 tiles
+// already stage: K^T as pair words per pair of dims (load_kt) and V as pair words per pair of
+// keys (stage_tile_v); the weights are rounded to bf16 pairs as there. The softmax, the staging
+// and every other path are Avx512Bf16Kernels'. AMX adds the products in its own order and treats
+// subnormal bf16 inputs as zero, so the outputs differ from the AVX512_BF16 tiles' in the last
+// bits (tests hold them to the reference's tolerance and to torch's bf16 SDPA error).
+#define SD_TARGET_AMX                                                       \
+  __attribute__((                                                           \
+      target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c," \
+             "amx-tile,amx-bf16")))
+
+// The layout of ldtilecfg's 64-byte operand (palette 1).
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(AmxTileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+// tmm0-3: four C tiles (kRowTile rows of 16 fp32); tmm4: A (kRowTile rows of 32 bf16);
+// tmm5: B (16 rows of 16 pair words). The configuration is a thread's state, and the threads are
+// shared with torch (whose oneDNN kernels load their own), so every tiled range loads it first
+// and releases the tiles after (attend_range).
+SD_TARGET_AMX void amx_configure() {
+  AmxTileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = kRowTile;
+    cfg.colsb[t] = 64;
+  }
+  cfg.rows[5] = 16;
+  cfg.colsb[5] = 64;
+  // GCC 12's _tile_loadconfig declares only 8 bytes of its operand as read, so the stores of the
+  // rows and widths above were dropped as dead (a tilezero then faulted as unconfigured): the
+  // whole struct is the asm's input here.
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+SD_TARGET_AMX void amx_release() { _tile_release(); }
+
+struct AmxKernels : Avx512Bf16Kernels {
+  static constexpr bool kAmx = true;
+  // s[r * kBlock + j] = mult * q_r . k_j for the 8 rows of a full row tile and the block's 64
+  // keys (keys >= n have zero K^T words: load_kt); other tiles and head dims that are not a
+  // multiple of 32 take the AVX512_BF16 tiles.
+  SD_TARGET_AMX static void scores(const float* q, int rows, int d, const float* kt, float* s,
+                                   float mult) {
+    if (rows != kRowTile || d % 32 != 0) {
+      Avx512Bf16Kernels::scores(q, rows, d, kt, s, mult);
+      return;
+    }
+    // The workspace rows are d words apart, their first d / 2 words the query's pair words.
+    const char* qb = reinterpret_cast<const char*>(q);
+    const char* kb = reinterpret_cast<const char*>(kt);
+    const int q_stride = d * 4, k_stride = kBlock * 4;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < d / 32; ++c) {
+      const char* kc = kb + static_cast<int64_t>(16 * c) * k_stride;
+      _tile_loadd(4, qb + 64 * c, q_stride);
+      _tile_loadd(5, kc, k_stride);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, kc + 64, k_stride);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, kc + 128, k_stride);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, kc + 192, k_stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, s, k_stride);
+    _tile_stored(1, s + 16, k_stride);
+    _tile_stored(2, s + 32, k_stride);
+    _tile_stored(3, s + 48, k_stride);
+    const __m512 m = _mm512_set1_ps(mult);
+    for (int i = 0; i < kRowTile * kBlock; i += 16) {
+      _mm512_store_ps(s + i, _mm512_mul_ps(_mm512_load_ps(s + i), m));
+    }
+  }
+  // As Avx512Bf16Kernels::stage_tile_v, and the pairs past the block's last one zeroed up to
+  // the next 16 (a B tile's depth): they held an earlier block's values or other paths' scratch,
+  // whose bits may read as bf16 infinities, and zero weights times those would be NaN.
+  template <AttnDType DT>
+  SD_TARGET_AMX static void stage_tile_v(const uint16_t* v, int64_t rs, int n, int d, float* vb) {
+    Avx512Bf16Kernels::stage_tile_v<DT>(v, rs, n, d, vb);
+    const int pairs = (n + 1) / 2;
+    const int padded = (pairs + 15) / 16 * 16;
+    std::memset(reinterpret_cast<uint32_t*>(vb) + static_cast<int64_t>(pairs) * d, 0,
+                static_cast<size_t>(padded - pairs) * d * sizeof(uint32_t));
+  }
+  // The P V of a full row tile on the staged value pairs (head dims that are multiples of 64;
+  // others, and partial tiles, take the AVX512_BF16 tiles): o = alpha * o + P V, the weights of
+  // keys >= n zeroed.
+  SD_TARGET_AMX static void tile_pv(const float* p, int rb, int n, const float* vb, int d,
+                                    const float* alpha, float* o) {
+    if (rb != kRowTile || d % 64 != 0) {
+      Avx512Bf16Kernels::tile_pv(p, rb, n, vb, d, alpha, o);
+      return;
+    }
+    constexpr int kPairs = kBlock / 2;
+    alignas(64) uint32_t pw[kRowTile * kPairs];
+    for (int r = 0; r < kRowTile; ++r) {
+      for (int j = 0; j < kBlock; j += 32) {
+        const __mmask16 lo = keys_below(n - j), hi = keys_below(n - j - 16);
+        const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_maskz_load_ps(hi, p + r * kBlock + j + 16),
+                                               _mm512_maskz_load_ps(lo, p + r * kBlock + j));
+        _mm512_store_si512(pw + r * kPairs + j / 2, (__m512i)w);
+      }
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      for (int c = 0; c < d; c += 16) {
+        _mm512_storeu_ps(o + r * d + c, _mm512_mul_ps(a, _mm512_loadu_ps(o + r * d + c)));
+      }
+    }
+    const int steps = ((n + 1) / 2 + 15) / 16;
+    const uint32_t* vp = reinterpret_cast<const uint32_t*>(vb);
+    const int o_stride = d * 4, p_stride = kPairs * 4;
+    for (int c0 = 0; c0 < d; c0 += 64) {
+      _tile_loadd(0, o + c0, o_stride);
+      _tile_loadd(1, o + c0 + 16, o_stride);
+      _tile_loadd(2, o + c0 + 32, o_stride);
+      _tile_loadd(3, o + c0 + 48, o_stride);
+      for (int st = 0; st < steps; ++st) {
+        const uint32_t* vs = vp + static_cast<int64_t>(16 * st) * d + c0;
+        _tile_loadd(4, pw + 16 * st, p_stride);
+        _tile_loadd(5, vs, o_stride);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, vs + 16, o_stride);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, vs + 32, o_stride);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, vs + 48, o_stride);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, o + c0, o_stride);
+      _tile_stored(1, o + c0 + 16, o_stride);
+      _tile_stored(2, o + c0 + 32, o_stride);
+      _tile_stored(3, o + c0 + 48, o_stride);
+    }
+  }
+
+ private:
+  // The lanes of 16 keys below `count` (all for count >= 16, none for count <= 0).
+  static __mmask16 keys_below(int count) {
+    if (count >= 16) return static_cast<__mmask16>(0xffff);
+    if (count <= 0) return 0;
+    return static_cast<__mmask16>((1u << count) - 1u);
+  }
+};
 #endif  // SD_X86
 
 // ---- ISA selection -------------------------------------------------------------------------
 
-enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+
+#ifdef SD_X86
+// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and the tile data state granted to
+// this process: Linux enables it only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA; a kernel that cannot grant it refuses, and the tiles stay off).
+bool amx_usable() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
+#ifdef __linux__
+  constexpr long kReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+#endif
 
 Isa best_isa() {
 #ifdef SD_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
+    if (!__builtin_cpu_supports("avx512bf16")) return Isa::kAvx512;
+    return amx_usable() ? Isa::kAmx : Isa::kAvx512Bf16;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
@@ -1856,6 +2038,9 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
   std::fill(o, o + sh.heads * sh.rows * sh.d, 0.0f);
   for (int64_t r = 0; r < sh.heads * sh.rows; ++r) st[r] = softmax_init();
   const int64_t row_bytes = sh.d * static_cast<int64_t>(sizeof(*k));
+#ifdef SD_X86
+  if constexpr (K::kAmx) amx_configure();
+#endif
   for (int64_t j0 = begin; j0 < end; j0 += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, end - j0));
     // Ask for the next block early so its lines are in flight while this one computes. The hints
@@ -1913,6 +2098,9 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
       }
     }
   }
+#ifdef SD_X86
+  if constexpr (K::kAmx) amx_release();
+#endif
 }
 
 // Whether the prefix of a work item takes the streaming path (see stream_partials_f32) or,
@@ -2292,6 +2480,8 @@ void run_isa(const AttentionArgs& a) {
 
 const char* attention_isa() {
   switch (current_isa()) {
+    case Isa::kAmx:
+      return "amx";
     case Isa::kAvx512Bf16:
       return "avx512bf16";
     case Isa::kAvx512:
@@ -2318,6 +2508,8 @@ bool set_attention_isa(const char* name) {
     want = Isa::kAvx512;
   else if (s == "avx512bf16")
     want = Isa::kAvx512Bf16;
+  else if (s == "amx")
+    want = Isa::kAmx;
   else
     return false;
   if (static_cast<int>(want) > static_cast<int>(best_isa())) return false;
@@ -2329,6 +2521,14 @@ void tree_attention(const AttentionArgs& a) {
   if (a.batch == 0) return;
   switch (current_isa()) {
 #ifdef SD_X86
+    case Isa::kAmx:
+      // The tiles' bf16 products on AMX; other dtypes run the AVX-512 fp32 code.
+      if (a.dtype == AttnDType::kBFloat16) {
+        run<AmxKernels, AttnDType::kBFloat16>(a);
+      } else {
+        run_isa<Avx512Kernels>(a);
+      }
+      break;
     case Isa::kAvx512Bf16:
       // The bf16 dot product only changes bf16 inputs; other dtypes run the AVX-512 fp32 code.
       if (a.dtype == AttnDType::kBFloat16) {

@@ -37,7 +37,7 @@ def test_info_fields():
 def test_info_reports_the_cpu_kernel_paths():
     kernels = specdecode.info()["cpu_kernels"]
     assert kernels["tree_attention"] == _C.attention_isa()
-    assert kernels["tree_attention"] in ("avx512bf16", "avx512", "avx2", "generic")
+    assert kernels["tree_attention"] in ("amx", "avx512bf16", "avx512", "avx2", "generic")
     # verify's path is the best its exp loops run here (0 baseline, 1 AVX2, 2 AVX-512).
     x = np.zeros(8, dtype=np.float32)
     used = _C.verify_exp_approx(x, np.empty_like(x), 2)

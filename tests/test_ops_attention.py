@@ -21,7 +21,11 @@ from specdecode import _C, ops
 TOL = {torch.float32: 3e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 LSE_TOL = 5e-5  # lse is float32 for every dtype (the inputs are the same rounded values)
 
-ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2", "generic") if _C.set_attention_isa(isa)]
+ISAS = [
+    isa for isa in ("amx", "avx512bf16", "avx512", "avx2", "generic") if _C.set_attention_isa(isa)
+]
+# The ISAs whose lane path and tiles round their P V weights to bf16 (see below).
+BF16_PAIR_ISAS = [isa for isa in ("amx", "avx512bf16") if isa in ISAS]
 _C.set_attention_isa("")
 
 
@@ -228,7 +232,7 @@ ROUNDING_CASES = [(32, 8, 1), (8, 8, 3), (16, 2, 1), (32, 8, 2), (32, 8, 4), (32
 def _rounds_weights_to_bf16(isa_name: str, dtype: torch.dtype, rows: int) -> bool:
     # With AVX512_BF16, the lane path (5 to 16 query rows per KV head) and the tiles (more) round
     # their P V weights to bf16; the streaming path (up to 4) does not.
-    return isa_name == "avx512bf16" and dtype == torch.bfloat16 and rows > 4
+    return isa_name in BF16_PAIR_ISAS and dtype == torch.bfloat16 and rows > 4
 
 
 @pytest.mark.parametrize(
@@ -278,15 +282,17 @@ def _sdpa_bf16(q, k, v, lens, mask):
     return out.transpose(1, 2)
 
 
-@pytest.mark.skipif("avx512bf16" not in ISAS, reason="this CPU has no AVX512_BF16")
-@pytest.mark.parametrize("hq,hkv,t", [(32, 8, 2), (32, 8, 4), (32, 8, 16), (8, 1, 9)])
-def test_rounded_weights_stay_within_sdpa_error(hq, hkv, t):
+@pytest.mark.skipif(not BF16_PAIR_ISAS, reason="this CPU has no AVX512_BF16")
+@pytest.mark.parametrize("isa_name", BF16_PAIR_ISAS or ["avx512bf16"])
+@pytest.mark.parametrize("hq,hkv,t", [(32, 8, 2), (32, 8, 4), (32, 8, 16), (8, 1, 9), (32, 8, 64)])
+def test_rounded_weights_stay_within_sdpa_error(isa_name, hq, hkv, t):
     # The paths that round their P V weights to bf16 (the lane path and the tiles with
-    # AVX512_BF16) are held to torch's bf16 SDPA on the same inputs: their mean and largest
-    # errors against float64 at most 1.15x SDPA's (measured: 0.95-0.99x and at most 1x), and
-    # at most 45 % of outputs one ulp off the rounded exact result (measured 34-39 %, SDPA
-    # 36-41 %). The exact paths' mean error is 0.7x SDPA's.
-    assert _C.set_attention_isa("avx512bf16")
+    # AVX512_BF16, the tiles on AMX tile multiplies) are held to torch's bf16 SDPA on the same
+    # inputs: their mean and largest errors against float64 at most 1.15x SDPA's (measured:
+    # 0.95-0.99x and at most 1x), and at most 45 % of outputs one ulp off the rounded exact
+    # result (measured 34-39 %, SDPA 36-41 %). The exact paths' mean error is 0.7x SDPA's.
+    # T = 64 (256 rows per KV head) runs whole AMX row tiles.
+    assert _C.set_attention_isa(isa_name)
     try:
         for prefix in (64, 1000):
             q, k, v, lens, gen = make_case(

@@ -32,7 +32,8 @@ def info() -> dict[str, Any]:
         ``index``, ``name``, ``capability``, ``total_memory``; ``error``, why no device is usable,
         empty when devices were found); ``num_threads`` (int, threads of the CPU kernels);
         ``threading`` (dict, as :func:`get_threading`); ``cpu_kernels`` (dict: the CPU code
-        path of ``tree_attention``, ``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"generic"``,
+        path of ``tree_attention``, ``"amx"`` (bf16 tiles on AMX tile multiplies, the rest as
+        ``"avx512bf16"``), ``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or ``"generic"``,
         and of ``verify``, ``"avx512"``, ``"avx2"`` or ``"baseline"``; the vector paths exist on
         x86-64 only, other CPUs run the portable ones); ``compiler`` (str).
     """
