@@ -1771,6 +1771,10 @@ SD_TARGET_AMX void amx_release() { _tile_release(); }
 
 struct AmxKernels : Avx512Bf16Kernels {
   static constexpr bool kAmx = true;
+  // 9 or more rows per KV head take the tiles, whose full 8-row tiles run on AMX: at T = 4 (16
+  // rows) 0.55x (B = 1) and 0.71x (B = 8) the lane path's time, S = 4096; 5 to 8 rows stay on
+  // the lane path, which at 8 rows (T = 2) was faster at B = 8 (1.16x the time on the tiles).
+  static constexpr int kLaneRows = 8;
   // s[r * kBlock + j] = mult * q_r . k_j for the 8 rows of a full row tile and the block's 64
   // keys (keys >= n have zero K^T words: load_kt); other tiles and head dims that are not a
   // multiple of 32 take the AVX512_BF16 tiles.
