@@ -170,7 +170,9 @@ SD_FORCE_INLINE void generic_pv(const float* p, int rows, int n, const typename 
 }
 
 struct GenericKernels {
-  static constexpr bool kAmx = false;        // the tiles' products on AMX (AmxKernels)
+  static constexpr bool kAmx = false;  // the tiles' products on AMX (AmxKernels)
+  // Row counts up to this read the values in place in the tiles (no staging; see attend_range).
+  static constexpr int kDirectRows = kRowTile;
   static constexpr bool kStream = false;     // no stream_scores: prefix blocks use the tiles
   static constexpr bool kTilePairs = false;  // the tiles' P V in fp32 (see attend_range)
   static constexpr int kStreamRows = 0;
@@ -559,6 +561,7 @@ namespace lanes_avx2 {
 
 struct Avx2Kernels : lanes_avx2::LaneKernels<Avx2Kernels> {
   static constexpr bool kAmx = false;
+  static constexpr int kDirectRows = kRowTile;
   static constexpr bool kStream = true;
   static constexpr bool kTilePairs = false;
   // Up to 4 rows (T = 1 at GQA 4) the streaming path is faster than the AVX2 tiles: from DRAM,
@@ -1127,6 +1130,7 @@ namespace lanes_avx512 {
 
 struct Avx512Kernels : lanes_avx512::LaneKernels<Avx512Kernels> {
   static constexpr bool kAmx = false;
+  static constexpr int kDirectRows = kRowTile;
   static constexpr bool kStream = true;
   static constexpr bool kTilePairs = false;
   // Up to 4 rows (T = 1 at GQA 4) the prefix takes the streaming path (stream_range), which is
@@ -1771,10 +1775,13 @@ SD_TARGET_AMX void amx_release() { _tile_release(); }
 
 struct AmxKernels : Avx512Bf16Kernels {
   static constexpr bool kAmx = true;
-  // 9 or more rows per KV head take the tiles, whose full 8-row tiles run on AMX: at T = 4 (16
-  // rows) 0.55x (B = 1) and 0.71x (B = 8) the lane path's time, S = 4096; 5 to 8 rows stay on
-  // the lane path, which at 8 rows (T = 2) was faster at B = 8 (1.16x the time on the tiles).
-  static constexpr int kLaneRows = 8;
+  // 8 or more rows per KV head take the tiles, whose full 8-row tiles run on AMX, with the values
+  // staged as pairs from 8 rows on (the AVX512_BF16 tiles read them in place up to 8): against
+  // the lane path, S = 4096, B = 1 / 8, 0.58x / 0.76x the time at 8 rows (T = 2 at GQA 4; with
+  // the values read in place 0.75x / 1.16x) and 0.55x / 0.70x at 16 (T = 4). 5 to 7 rows, which
+  // would fill no AMX tile, stay on the lane path.
+  static constexpr int kLaneRows = 7;
+  static constexpr int kDirectRows = 7;
   // s[r * kBlock + j] = mult * q_r . k_j for the 8 rows of a full row tile and the block's 64
   // keys (keys >= n have zero K^T words: load_kt); other tiles and head dims that are not a
   // multiple of 32 take the AVX512_BF16 tiles.
@@ -2070,7 +2077,7 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
       // staged as contiguous fp32 (bf16 with AVX512_BF16: as pair words for vdpbf16ps, see
       // tile_pv): a head's rows are Hkv * D apart, which maps them onto few L1 sets, and bf16 /
       // fp16 would be converted once per tile.
-      const bool stage_v = rows > kRowTile;
+      const bool stage_v = rows > K::kDirectRows;
       if (stage_v) {
         if constexpr (K::kTilePairs) {
           K::template stage_tile_v<DT>(v + j0 * rs + head * hs, rs, n, d, ws.vb);
