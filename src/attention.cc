@@ -1773,6 +1773,28 @@ SD_TARGET_AMX void amx_configure() {
 
 SD_TARGET_AMX void amx_release() { _tile_release(); }
 
+// C0..C3 += A (tmm4) times the four B tiles at b, b + 64, b + 128 and b + 192 bytes (16 rows,
+// `stride` bytes apart): 64 output columns, 16 of them per C tile.
+SD_TARGET_AMX SD_FORCE_INLINE void amx_four_products(const void* b, int stride) {
+  const char* p = static_cast<const char*>(b);
+  _tile_loadd(5, p, stride);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(5, p + 64, stride);
+  _tile_dpbf16ps(1, 4, 5);
+  _tile_loadd(5, p + 128, stride);
+  _tile_dpbf16ps(2, 4, 5);
+  _tile_loadd(5, p + 192, stride);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
+// C0..C3 to the 64 fp32 columns at c (rows `stride` bytes apart).
+SD_TARGET_AMX SD_FORCE_INLINE void amx_store_four(float* c, int stride) {
+  _tile_stored(0, c, stride);
+  _tile_stored(1, c + 16, stride);
+  _tile_stored(2, c + 32, stride);
+  _tile_stored(3, c + 48, stride);
+}
+
 struct AmxKernels : Avx512Bf16Kernels {
   static constexpr bool kAmx = true;
   // 8 or more rows per KV head take the tiles, whose full 8-row tiles run on AMX, with the values
@@ -1800,21 +1822,10 @@ struct AmxKernels : Avx512Bf16Kernels {
     _tile_zero(2);
     _tile_zero(3);
     for (int c = 0; c < d / 32; ++c) {
-      const char* kc = kb + static_cast<int64_t>(16 * c) * k_stride;
       _tile_loadd(4, qb + 64 * c, q_stride);
-      _tile_loadd(5, kc, k_stride);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, kc + 64, k_stride);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, kc + 128, k_stride);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, kc + 192, k_stride);
-      _tile_dpbf16ps(3, 4, 5);
+      amx_four_products(kb + static_cast<int64_t>(16 * c) * k_stride, k_stride);
     }
-    _tile_stored(0, s, k_stride);
-    _tile_stored(1, s + 16, k_stride);
-    _tile_stored(2, s + 32, k_stride);
-    _tile_stored(3, s + 48, k_stride);
+    amx_store_four(s, k_stride);
     const __m512 m = _mm512_set1_ps(mult);
     for (int i = 0; i < kRowTile * kBlock; i += 16) {
       _mm512_store_ps(s + i, _mm512_mul_ps(_mm512_load_ps(s + i), m));
@@ -1863,21 +1874,10 @@ struct AmxKernels : Avx512Bf16Kernels {
       _tile_loadd(2, o + c0 + 32, o_stride);
       _tile_loadd(3, o + c0 + 48, o_stride);
       for (int st = 0; st < steps; ++st) {
-        const uint32_t* vs = vp + static_cast<int64_t>(16 * st) * d + c0;
         _tile_loadd(4, pw + 16 * st, p_stride);
-        _tile_loadd(5, vs, o_stride);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, vs + 16, o_stride);
-        _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(5, vs + 32, o_stride);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(5, vs + 48, o_stride);
-        _tile_dpbf16ps(3, 4, 5);
+        amx_four_products(vp + static_cast<int64_t>(16 * st) * d + c0, o_stride);
       }
-      _tile_stored(0, o + c0, o_stride);
-      _tile_stored(1, o + c0 + 16, o_stride);
-      _tile_stored(2, o + c0 + 32, o_stride);
-      _tile_stored(3, o + c0 + 48, o_stride);
+      amx_store_four(o + c0, o_stride);
     }
   }
 

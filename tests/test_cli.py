@@ -311,18 +311,24 @@ def test_generate_honours_sampling_options(pair, capsys):
     assert code == 0, err
     assert "seed 7" in err and "temperature 0.9" in err and "top-k 40" in err
     ids = tok.encode(PROMPT, bos=True)
-    want = generate(
-        target,
-        [ids],
-        drafter=ModelDrafter(draft, mode="chain", k=3),
-        max_new_tokens=10,
-        temperature=0.9,
-        top_k=40,
-        top_p=0.9,
-        seed=7,
-        stop_token_ids=[tok.eos_id],
-    )
-    assert out == tok.decode(want.sequences[0]) + "\n"
+
+    def api_text(max_new_tokens: int, method: str) -> str:
+        """What the API decodes for the options above, as the CLI prints it."""
+        out = generate(
+            target,
+            [ids],
+            drafter=ModelDrafter(draft, mode="chain", k=3),
+            max_new_tokens=max_new_tokens,
+            temperature=0.9,
+            top_k=40,
+            top_p=0.9,
+            seed=7,
+            stop_token_ids=[tok.eos_id],
+            method=method,
+        )
+        return tok.decode(out.sequences[0]) + "\n"
+
+    assert out == api_text(10, "exact")
     code, again, _ = run_main(argv + opts, capsys)
     assert again == out
     # --verify block: the engine's method="block" (with this seed its 40 tokens differ from
@@ -331,19 +337,7 @@ def test_generate_honours_sampling_options(pair, capsys):
         argv + opts + ["--verify", "block", "--max-new-tokens", "40"], capsys
     )
     assert code == 0 and "block verification" in err, err
-    want = generate(
-        target,
-        [ids],
-        drafter=ModelDrafter(draft, mode="chain", k=3),
-        max_new_tokens=40,
-        temperature=0.9,
-        top_k=40,
-        top_p=0.9,
-        seed=7,
-        stop_token_ids=[tok.eos_id],
-        method="block",
-    )
-    assert block_out == tok.decode(want.sequences[0]) + "\n"
+    assert block_out == api_text(40, "block") != api_text(40, "exact")
     code, _, err = run_main(argv + ["--verify", "blocks"], capsys)
     assert code == 2 and "--verify" in err
 

@@ -1252,6 +1252,20 @@ SD_HD_INLINE const Q* final_draft_row(const VerifyArgs& a, int64_t b, int node) 
   return draft ? draft + static_cast<int64_t>(node) * a.vocab : nullptr;
 }
 
+// The final draw from node `node`'s target row (prepared as st): its form, its uniform (the
+// node's kSample draw) and the row state phases 2 and 3 read.
+SD_HD_INLINE void describe_final_draw(FinalDraw& fd, int32_t form, int node, const SeqParams& sp,
+                                      const RowState& st) {
+  fd.form = form;
+  fd.node = node;
+  fd.u = draw_uniform(sp, node, RandPurpose::kSample);
+  fd.inv_temp = sp.inv_temp;
+  fd.kth = st.kth;
+  fd.scaled_max = st.scaled_max;
+  fd.wmin = st.wmin;
+  fd.total = st.total;
+}
+
 // ---- block verification of a sampled chain (method kBlock) -----------------------------------
 // Sun et al., "Block Verification Accelerates Speculative Decoding" (ICLR 2025): the drafts
 // x_1 .. x_g of a chain sampled from q are judged as one block. With P_j and Q_j the target's and
@@ -1344,15 +1358,8 @@ SD_HOST_DEVICE int32_t walk_block_chain(Ex& ex, const VerifyArgs& a, int64_t b, 
     // The correction reads row tau's chunk maxima and scales: take them again (same numbers).
     prepare_row(ex, target + static_cast<int64_t>(tau) * vocab, vocab, sp, true);
   }
-  fd.form = tau == g ? kFinalRow : kFinalResidual;
-  fd.node = tau;
+  describe_final_draw(fd, tau == g ? kFinalRow : kFinalResidual, tau, sp, st_tau);
   fd.residual_scale = tau == g ? 1.f : p_tau;
-  fd.u = draw_uniform(sp, tau, RandPurpose::kSample);
-  fd.inv_temp = sp.inv_temp;
-  fd.kth = st_tau.kth;
-  fd.scaled_max = st_tau.scaled_max;
-  fd.wmin = st_tau.wmin;
-  fd.total = st_tau.total;
   return status;
 }
 
@@ -1613,16 +1620,7 @@ SD_HOST_DEVICE void walk_sequence(Ex& ex, const VerifyArgs& a, int64_t b, FinalD
       node = accepted;
       continue;
     }
-    if (form != kFinalNone) {
-      fd.form = form;
-      fd.node = node;
-      fd.u = draw_uniform(sp, node, RandPurpose::kSample);
-      fd.inv_temp = sp.inv_temp;
-      fd.kth = st.kth;
-      fd.scaled_max = st.scaled_max;
-      fd.wmin = st.wmin;
-      fd.total = st.total;
-    }
+    if (form != kFinalNone) describe_final_draw(fd, form, node, sp, st);
     break;
   }
   fd.accepted = accepted_count;
