@@ -675,8 +675,9 @@ def verify(
         also when the drafter chose the chain's length from its drafts; in expectation it accepts
         at least as many drafts as ``"exact"`` (a draft the token-by-token test would reject is
         kept when a later test passes) and no valid rule accepts more of a block. It reads every
-        row up to the first ``p_j = 0`` (one more pass over each row than ``"exact"`` until its
-        first rejection). Applies to sequences with sampled drafts (``draft_probs``, not
+        row of the chain up to the first ``p_j = 0``, where ``"exact"`` stops at its first
+        rejection, and takes one more pass over a row (for ``r_j``) where its test can pass.
+        Applies to sequences with sampled drafts (``draft_probs``, not
         ``draft_deterministic``) whose nodes form a chain; the others are verified as with
         ``"exact"`` (for deterministic drafts that is already the most any valid rule accepts).
         Uses the same uniforms as ``"exact"``: where both accept everything, they emit the
