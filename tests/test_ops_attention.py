@@ -395,6 +395,33 @@ def test_t256_bf16_tree(isa, d):
     check(q, k, v, lens, ops.tree_info(random_parents(1, 256, gen)).mask)
 
 
+# bf16 on AMX with 32 or more query rows per KV head and a head dim that is a multiple of 64
+# takes row tiles of 32 rows over chunks of 128 keys (amx_chunk_range): (8, 8, 2) is one full
+# tile, (10, 8, 2) a full tile and a padded one of one 16-row half (8 rows), (14, 8, 2) a padded
+# one of two halves (24 rows), (64, 4, 1) eight tiles; the prefixes end mid-block and mid-chunk,
+# on a chunk boundary, or are empty. The other ISAs run the same cases on their own paths.
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("t,hq,hkv", [(8, 8, 2), (10, 8, 2), (14, 8, 2), (64, 4, 1)])
+@pytest.mark.parametrize("prefix", [[0, 100], [128, 1000]])
+def test_row_tiles_over_key_chunks(isa, d, t, hq, hkv, prefix):
+    q, k, v, lens, gen = make_case(2, t, hq, hkv, d, prefix, torch.bfloat16, seed=d + t)
+    check(q, k, v, lens, ops.tree_info(random_parents(2, t, gen)).mask)
+    check(q, k, v, lens, None)
+
+
+@pytest.mark.parametrize("ramp", [0.1, -0.1])
+def test_scores_that_climb_or_fall_along_the_cache(isa, ramp):
+    # Scores that climb along the cache raise every row's running max in every chunk, so the
+    # accumulators are rescaled at every chunk (the AMX chunk path scales its O rows only where
+    # the factor is not 1); falling scores never after the first chunk.
+    q, k, v, lens, gen = make_case(2, 16, 8, 2, 128, [1500, 700], seed=5)
+    positions = torch.arange(k.shape[1], dtype=torch.float32)
+    k[..., 0] = ramp * positions[None, :, None]
+    q[..., 0] = 4.0
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    check(q, k, v, lens, ops.tree_info(random_parents(2, 16, gen)).mask)
+
+
 @pytest.mark.parametrize("d", [32, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_strided_caches_and_ragged_prefixes(isa, dtype, d):

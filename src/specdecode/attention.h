@@ -48,6 +48,9 @@ SD_HD_INLINE SoftmaxState softmax_init() { return SoftmaxState{-INFINITY, 0.0f};
 // accumulator (and the old sum, already applied here) must be multiplied by; the caller then adds
 // the block's terms 2^(s - softmax_reference(state.m)).
 SD_HD_INLINE float softmax_rescale(SoftmaxState* state, float block_max) {
+  // A block that does not raise a finite max leaves the state as it is: the factor below would be
+  // exp2f(0) = 1, returned here without the call (the AMX tiles rescale once per row and chunk).
+  if (block_max <= state->m && state->m > -INFINITY && state->m < INFINITY) return 1.0f;
   const float new_max = block_max > state->m ? block_max : state->m;
   const float alpha = exp2f(state->m - softmax_reference(new_max));
   state->m = new_max;
