@@ -8,7 +8,9 @@
 // specdecode/attention.h. With few query rows per KV head the prefix and the tree nodes take one
 // of two cheaper paths on AVX2 / AVX-512: up to 4 rows the streaming path (stream_range: per-key
 // dot products, the cache read in address order), from 5 to 16 rows on AVX-512 and 5 to 8 on
-// AVX2 the lane path (lane_range: the rows of a KV head in the lanes of one vector).
+// AVX2 the lane path (lane_range: the rows of a KV head in the lanes of one vector). With AMX,
+// bf16 tiles run as AMX tile multiplies from 8 rows on (5 to 7 take the lane path), and from 32
+// rows on as 32-row tiles over chunks of 128 keys (amx_chunk_range).
 //
 // The prefix [0, prefix_len) is dense and unmasked; the tree [prefix_len, prefix_len + T) uses
 // the bitmask. They accumulate into separate states that are merged with the log-sum-exp rule,

@@ -1296,9 +1296,9 @@ SD_HOST_DEVICE int32_t walk_block_chain(Ex& ex, const VerifyArgs& a, int64_t b, 
   float p = 1.f;  // p_j of the node j the loop is at
   int tau = 0;
   float p_tau = 1.f;
-  RowState st_tau;
-  st_tau.status = -1;  // not met yet: tau = 0 takes its row below
-  int last = -1;       // the row the executor's chunk data belongs to
+  // Row 0's state from j = 0 on (tau = 0), then row tau's: set before any return that reads it.
+  RowState st_tau{};
+  int last = -1;  // the row the executor's chunk data belongs to
   for (int j = 0; j <= g; ++j) {
     const T* trow = target + static_cast<int64_t>(j) * vocab;
     const RowState st = prepare_row(ex, trow, vocab, sp, true);
