@@ -2087,13 +2087,14 @@ struct AmxKernels : Avx512Bf16Kernels {
     int rows, row_bytes;
   };
   // One step of the pipeline: the softmax of the row tile whose scores are in s (16 * halves
-  // rows; rows r < rb real, with visible keys vis[r * blocks + b], states st, factors into
-  // alpha; the others get zero weights, so the P V's A tiles read only zeros there), with the
-  // previous tile's P V in its first half of rows, the next tile's scores in its second (either
-  // may be null) and the hints spread over all.
+  // rows; rows r < rb real, with visible keys vis[r * blocks + b] and states st, their O rows
+  // (o, d floats apart) rescaled where the max grew, before the next step's P V adds to them;
+  // the others get zero weights, so the P V's A tiles read only zeros there), with the previous
+  // tile's P V in its first half of rows, the next tile's scores in its second (either may be
+  // null) and the hints spread over all.
   SD_TARGET_AMX static void chunk_tile(float* s, int rb, int halves, int blocks,
-                                       const uint64_t* vis, float mult, SoftmaxState* st,
-                                       float* alpha, const PvJob* pv, const ScoresJob* next,
+                                       const uint64_t* vis, float mult, SoftmaxState* st, float* o,
+                                       int d, const PvJob* pv, const ScoresJob* next,
                                        const HintJob& hint) {
     const int rows = kAmxRows * halves, half = rows / 2;
     const int pv_n = pv ? pv->units() : 0, next_n = next ? next->units() : 0;
@@ -2108,7 +2109,13 @@ struct AmxKernels : Avx512Bf16Kernels {
       }
       float* row = s + r * kChunkKeys;
       if (r < rb) {
-        alpha[r] = chunk_softmax_row(row, blocks, vis + r * blocks, mult, st + r);
+        const float alpha = chunk_softmax_row(row, blocks, vis + r * blocks, mult, st + r);
+        if (alpha != 1.0f) {
+          const __m512 a = _mm512_set1_ps(alpha);
+          for (float* x = o + r * d; x < o + (r + 1) * d; x += 16) {
+            _mm512_storeu_ps(x, _mm512_mul_ps(a, _mm512_loadu_ps(x)));
+          }
+        }
       } else {
         std::memset(row, 0, static_cast<size_t>(blocks) * kBlock * 2);
       }
@@ -2462,13 +2469,8 @@ void amx_chunk_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k,
         const K::HintJob hint{k + (nc0 + h0) * rs + nhead * hs, v + (nc0 + h0) * rs + nhead * hs,
                               rs, h1 - h0, d * 2};
         K::chunk_tile(tile_s(ti), rb, tile_halves(ti), blocks, ws.vis_chunk, mult, st + base + r0,
-                      ws.alpha, ti > 0 ? &prev : nullptr, ti + 1 < tiles ? &next : nullptr, hint);
-        // Before this tile's P V (in the next step) reads its O rows.
-        float* ot = tile_o(ti);
-        for (int i = 0; i < rb; ++i) {
-          if (ws.alpha[i] == 1.0f) continue;
-          for (int c = 0; c < d; ++c) ot[i * d + c] *= ws.alpha[i];
-        }
+                      tile_o(ti), d, ti > 0 ? &prev : nullptr, ti + 1 < tiles ? &next : nullptr,
+                      hint);
       }
       K::run_pv(pv_job(tiles - 1));
       if (part != 0) {
