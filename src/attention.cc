@@ -2484,9 +2484,9 @@ void amx_chunk_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k,
 #endif
 
 // The query rows per KV head from which bf16 on AMX takes amx_chunk_range. Against attend_range's
-// 8-row tiles, S = 4096, B = 1 / 8, alternating processes: 32 rows (T = 8 at GQA 4) 0.79x /
-// 0.82x the time, 64 rows 0.72x / 0.74x, 256 rows 0.62x / 0.62x; at 16 rows (T = 4) 1.00-1.07x,
-// so that stays on attend_range.
+// 8-row tiles, S = 4096, B = 1 / 8, caches cold (bench/attention_ab.py, session 41): 32 rows
+// (T = 8 at GQA 4) 0.88x / 0.83x the time, 64 rows 0.69x / 0.82x, 256 rows 0.66x / 0.67x; at 16
+// rows (T = 4) 1.00-1.07x with warm caches, so that stays on attend_range.
 constexpr int64_t kChunkMinRows = 32;
 
 // Whether a work item takes the chunked AMX path (amx_chunk_range) where it would take the tiles.
