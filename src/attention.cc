@@ -2380,13 +2380,13 @@ void attend_range(const AttentionArgs& a, const Shape& sh, const typename Elem<D
 }
 
 #ifdef SD_X86
-// attend_range for bf16 on AMX (head dims that are multiples of 64), with the roles of the
-// loops set for the tile unit: each KV head's keys are staged a chunk (kChunkKeys) at a time,
-// K^T and V as the pair words of load_kt / stage_tile_v, and every 16-row tile of its query
-// rows runs the chunk's scores, softmax and P V (AmxKernels::chunk_*). Against attend_range's
-// 8-row tiles over 64-key blocks this halves the B tile loads per product, rescales and moves
-// the O rows once per chunk (and scales them only where a row's max grew), and does a
-// row's max and sum reductions once per 256 keys.
+// attend_range for bf16 on AMX (head dims that are multiples of 64), with the loops set for the
+// tile unit: each KV head's keys are staged a chunk (kChunkKeys) at a time, K^T and V as the
+// pair words of load_kt / stage_tile_v, and every 32-row tile of its query rows runs the chunk's
+// scores, softmax and P V (AmxKernels::chunk_tile). Against attend_range's 8-row tiles over
+// 64-key blocks each K^T and V tile loaded feeds 32 rows rather than 8, the O rows move through
+// the C tiles (and are scaled, only where a row's max grew) once per chunk, and a row's max and
+// sum are reduced once per 128 keys.
 void amx_chunk_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k, const uint16_t* v,
                      int64_t begin, int64_t end, bool tree, const uint32_t* mask_b, Workspace& ws,
                      float* o, SoftmaxState* st) {

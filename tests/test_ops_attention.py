@@ -409,6 +409,16 @@ def test_row_tiles_over_key_chunks(isa, d, t, hq, hkv, prefix):
     check(q, k, v, lens, None)
 
 
+@pytest.mark.parametrize("strided", [True, "odd"])
+def test_row_tiles_over_strided_caches(isa, strided):
+    # The AMX chunk path's staging and tile loads on views into larger buffers, rows also off
+    # 16-byte boundaries ("odd").
+    q, k, v, lens, gen = make_case(
+        2, 10, 8, 2, 128, [300, 77], torch.bfloat16, seed=4, strided=strided
+    )
+    check(q, k, v, lens, ops.tree_info(random_parents(2, 10, gen)).mask)
+
+
 @pytest.mark.parametrize("ramp", [0.1, -0.1])
 def test_scores_that_climb_or_fall_along_the_cache(isa, ramp):
     # Scores that climb along the cache raise every row's running max in every chunk, so the
