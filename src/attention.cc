@@ -9,8 +9,10 @@
 // of two cheaper paths on AVX2 / AVX-512: up to 4 rows the streaming path (stream_range: per-key
 // dot products, the cache read in address order), from 5 to 16 rows on AVX-512 and 5 to 8 on
 // AVX2 the lane path (lane_range: the rows of a KV head in the lanes of one vector). With AMX,
-// bf16 tiles run as AMX tile multiplies from 8 rows on (5 to 7 take the lane path), and from 32
-// rows on as 32-row tiles over chunks of 128 keys (amx_chunk_range).
+// bf16 runs on AMX tile multiplies from 8 rows on (5 to 7 take the lane path): 8 to 16 rows with
+// the scores transposed, the keys read from the cache as the tiles' A operands and the rows in
+// lanes (amx_key_range), 17 to 31 as the tiles above, and from 32 rows on as 32-row tiles over
+// chunks of 128 keys (amx_chunk_range).
 //
 // The prefix [0, prefix_len) is dense and unmasked; the tree [prefix_len, prefix_len + T) uses
 // the bitmask. They accumulate into separate states that are merged with the log-sum-exp rule,
@@ -1823,13 +1825,34 @@ SD_TARGET_AMX SD_FORCE_INLINE void amx_store_four(float* c, int stride) {
   _tile_stored(3, c + 48, stride);
 }
 
+// o += P V for the configured rows of o (d floats apart, d a multiple of 64) over `steps` steps
+// of 16 key pairs of a block: P the weights' pair words pw (rows kBlock / 2 words apart), V the
+// staged value pairs vp (d words per key pair; pairs past the block's last zero up to the last
+// step, as AmxKernels::stage_tile_v leaves them).
+SD_TARGET_AMX SD_FORCE_INLINE void amx_block_pv(const uint32_t* pw, int steps, const uint32_t* vp,
+                                                int d, float* o) {
+  const int o_stride = d * 4, p_stride = kBlock / 2 * 4;
+  for (int c0 = 0; c0 < d; c0 += 64) {
+    _tile_loadd(0, o + c0, o_stride);
+    _tile_loadd(1, o + c0 + 16, o_stride);
+    _tile_loadd(2, o + c0 + 32, o_stride);
+    _tile_loadd(3, o + c0 + 48, o_stride);
+    for (int st = 0; st < steps; ++st) {
+      _tile_loadd(4, pw + 16 * st, p_stride);
+      amx_four_products(vp + static_cast<int64_t>(16 * st) * d + c0, o_stride);
+    }
+    amx_store_four(o + c0, o_stride);
+  }
+}
+
 struct AmxKernels : Avx512Bf16Kernels {
   static constexpr bool kAmx = true;
   // 8 or more rows per KV head take the tiles, whose full 8-row tiles run on AMX, with the values
   // staged as pairs from 8 rows on (the AVX512_BF16 tiles read them in place up to 8): against
   // the lane path, S = 4096, B = 1 / 8, 0.58x / 0.76x the time at 8 rows (T = 2 at GQA 4; with
   // the values read in place 0.75x / 1.16x) and 0.55x / 0.70x at 16 (T = 4). 5 to 7 rows, which
-  // would fill no AMX tile, stay on the lane path.
+  // would fill no AMX tile, stay on the lane path. (With a head dim that is a multiple of 64, 8
+  // to 16 rows now take amx_key_range, and 32 or more amx_chunk_range.)
   static constexpr int kLaneRows = 7;
   static constexpr int kDirectRows = 7;
   // s[r * kBlock + j] = mult * q_r . k_j for the 8 rows of a full row tile and the block's 64
@@ -1893,20 +1916,96 @@ struct AmxKernels : Avx512Bf16Kernels {
         _mm512_storeu_ps(o + r * d + c, _mm512_mul_ps(a, _mm512_loadu_ps(o + r * d + c)));
       }
     }
-    const int steps = ((n + 1) / 2 + 15) / 16;
-    const uint32_t* vp = reinterpret_cast<const uint32_t*>(vb);
-    const int o_stride = d * 4, p_stride = kPairs * 4;
-    for (int c0 = 0; c0 < d; c0 += 64) {
-      _tile_loadd(0, o + c0, o_stride);
-      _tile_loadd(1, o + c0 + 16, o_stride);
-      _tile_loadd(2, o + c0 + 32, o_stride);
-      _tile_loadd(3, o + c0 + 48, o_stride);
-      for (int st = 0; st < steps; ++st) {
-        _tile_loadd(4, pw + 16 * st, p_stride);
-        amx_four_products(vp + static_cast<int64_t>(16 * st) * d + c0, o_stride);
+    amx_block_pv(pw, ((n + 1) / 2 + 15) / 16, reinterpret_cast<const uint32_t*>(vb), d, o);
+  }
+
+  // ---- amx_key_range: the query rows of a KV head in the columns of the score tiles ----
+  // With 8 to 16 query rows per KV head (T = 2 to 4 at GQA 4) the scores run transposed, S^T =
+  // K Q^T: the A tiles are 16 keys of the cache as they lie (rows rs apart, no staging), the B
+  // tiles the head's query pair words in lanes (lane_query: the VNNI layout of Q^T), and each C
+  // tile holds 16 keys by 16 rows, the lane layout of the lane path, whose softmax runs down the
+  // keys with no horizontal reductions (lane_update). Only the bf16 weights are transposed back
+  // to rows for the P V (two 16 x 16 transposes of pair words per 64 keys, where load_kt
+  // transposes sixteen for the keys of a 64-key block at d = 128).
+
+  // s[j * 16 + r] = q_r . k_j (unscaled) for the 64 keys j of a block (keys >= n score 0; their
+  // rows are copied into kpad, kBlock rows of d bf16, when n < kBlock, so no tile reads past the
+  // cache's last key) and the 16 lanes r of qt (d / 2 pair words per lane; zero lanes score 0).
+  SD_TARGET_AMX static void key_scores(const float* qt, const uint16_t* k, int64_t rs, int n, int d,
+                                       uint16_t* kpad, float* s) {
+    const char* src = reinterpret_cast<const char*>(k);
+    int64_t stride = rs * 2;
+    if (n < kBlock) {
+      for (int j = 0; j < n; ++j) {
+        std::memcpy(kpad + static_cast<int64_t>(j) * d, k + j * rs, d * sizeof(uint16_t));
       }
-      amx_store_four(o + c0, o_stride);
+      std::memset(kpad + static_cast<int64_t>(n) * d, 0, (kBlock - n) * d * sizeof(uint16_t));
+      src = reinterpret_cast<const char*>(kpad);
+      stride = d * 2;
     }
+    const char* qb = reinterpret_cast<const char*>(qt);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < d / 32; ++c) {
+      // Depth step c: dims 32 c .. 32 c + 31 of 16 keys (A) by their 16 pair words of all lanes.
+      _tile_loadd(5, qb + 1024 * c, 64);
+      const char* kc = src + 64 * c;
+      _tile_loadd(4, kc, stride);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(4, kc + 16 * stride, stride);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(4, kc + 32 * stride, stride);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(4, kc + 48 * stride, stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, s, 64);
+    _tile_stored(1, s + 256, 64);
+    _tile_stored(2, s + 512, 64);
+    _tile_stored(3, s + 768, 64);
+  }
+  // The lane softmax of a block's scores s (key_scores; scaled by mult here) with the lane state
+  // ml (vis: as in lane_update), and the weights as the A tiles of the P V want them: pw[r * 32 +
+  // m] = (P[r][2m], P[r][2m + 1]) for the 16 lanes r and the 32 key pairs m (keys >= n weigh 0).
+  SD_TARGET_AMX static void key_weights(float* s, int n, const uint32_t* vis, float mult, float* ml,
+                                        uint32_t* pw, float* alpha) {
+    __m512* sv = reinterpret_cast<__m512*>(s);
+    const __m512 m = _mm512_set1_ps(mult);
+    for (int j = 0; j < n; ++j) sv[j] = _mm512_mul_ps(sv[j], m);
+    lanes_avx512::lane_update<Lanes16, kBlock>(sv, n, vis, ml, alpha);
+    // vcvtne2ps2bf16 puts keys 2m in words 0-15 and 2m + 1 in 16-31; the permutation pairs them
+    // per lane, and the transpose turns 16 pairs by 16 lanes into 16 lanes (rows) by 16 pairs.
+    alignas(64) static constexpr uint16_t kPairUp[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                         21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                         11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pair_up = _mm512_load_si512(kPairUp);
+    const int groups = (n + 31) / 32;
+    for (int g = 0; g < groups; ++g) {
+      __m512 w[16];
+      for (int i = 0; i < 16; ++i) {
+        const int j = 32 * g + 2 * i;
+        const __m512i bf = (__m512i)_mm512_cvtne2ps_pbh(sv[j + 1], sv[j]);
+        w[i] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(pair_up, bf));
+      }
+      transpose16(w);
+      for (int r = 0; r < 16; ++r)
+        _mm512_store_ps(reinterpret_cast<float*>(pw) + r * 32 + 16 * g, w[r]);
+    }
+  }
+  // o = alpha * o + P V for 16 rows of o (d floats apart, d a multiple of 64): the weights pw of
+  // key_weights, the values' pairs vb of stage_tile_v for keys [0, n).
+  SD_TARGET_AMX static void key_pv(const uint32_t* pw, int n, const float* vb, int d,
+                                   const float* alpha, float* o) {
+    for (int r = 0; r < kAmxRows; ++r) {
+      if (alpha[r] == 1.0f) continue;  // the row's max did not grow (softmax_rescale)
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      for (float* x = o + r * d; x < o + (r + 1) * d; x += 16) {
+        _mm512_store_ps(x, _mm512_mul_ps(a, _mm512_load_ps(x)));
+      }
+    }
+    amx_block_pv(pw, ((n + 1) / 2 + 15) / 16, reinterpret_cast<const uint32_t*>(vb), d, o);
   }
 
   // ---- amx_chunk_range: tiles of 32 query rows over chunks of 128 keys ----
@@ -2201,13 +2300,18 @@ struct Workspace {
   // output rows (a last tile of fewer than kChunkRows rows) and its visibility words.
   float *kt_chunk, *v_chunk, *s_chunk, *q_pad, *o_pad;
   uint64_t* vis_chunk;
+  // amx_key_range only: each KV head's output rows padded to a tile's 16, a block's transposed
+  // scores and its weights' pair words.
+  float *o_keys, *s_keys;
+  uint32_t* pw_keys;
   SoftmaxState *st_prefix, *st_tree;
   std::vector<SoftmaxState> states;
 
   // rows: query rows of the work item; stream: whether the streaming prefix path runs;
   // lane_heads: KV heads of the lane path (0 when it does not run); chunk: whether
-  // amx_chunk_range runs.
-  void reserve(int64_t rows, int64_t d, bool stream, int64_t lane_heads, bool chunk = false) {
+  // amx_chunk_range runs; key_heads: KV heads of amx_key_range (0 when it does not run).
+  void reserve(int64_t rows, int64_t d, bool stream, int64_t lane_heads, bool chunk = false,
+               int64_t key_heads = 0) {
     auto up = [](int64_t n) { return (n + 15) / 16 * 16; };
     const int64_t part_need = stream ? rows * kStreamKeys * 16 : 0;
     const int64_t sall_need = stream || lane_heads > 0 ? rows * kBlock : 0;
@@ -2217,8 +2321,11 @@ struct Workspace {
     const int64_t chunk_need = chunk ? 2 * kChunkKeys * up(d) / 2 + 2 * kChunkRows * kChunkKeys +
                                            2 * kChunkRows * up(d) + 2 * kChunkRows * kChunkBlocks
                                      : 0;
+    const int64_t keys_need =
+        key_heads > 0 ? key_heads * kAmxRows * up(d) + kBlock * kAmxRows + kBlock / 2 * kAmxRows
+                      : 0;
     const int64_t need = 3 * up(rows * d) + kBlock * up(d) + kBlock * up(d) + kRowTile * kBlock +
-                         up(rows) + part_need + sall_need + lane_need + chunk_need + 16;
+                         up(rows) + part_need + sall_need + lane_need + chunk_need + keys_need + 16;
     if (static_cast<int64_t>(storage.size()) < need) storage.assign(need, 0.0f);
     float* base = storage.data();
     base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;  // 64-byte
@@ -2239,6 +2346,9 @@ struct Workspace {
     q_pad = s_chunk + (chunk ? 2 * kChunkRows * kChunkKeys : 0);
     o_pad = q_pad + (chunk ? kChunkRows * up(d) : 0);
     vis_chunk = reinterpret_cast<uint64_t*>(o_pad + (chunk ? kChunkRows * up(d) : 0));
+    o_keys = o_pad + (chunk ? kChunkRows * up(d) + 2 * kChunkRows * kChunkBlocks : 0);
+    s_keys = o_keys + key_heads * kAmxRows * up(d);
+    pw_keys = reinterpret_cast<uint32_t*>(s_keys + (key_heads > 0 ? kBlock * kAmxRows : 0));
     states.resize(2 * rows);
     st_prefix = states.data();
     st_tree = states.data() + rows;
@@ -2483,6 +2593,107 @@ void amx_chunk_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k,
 }
 #endif
 
+#ifdef SD_X86
+// attend_range for bf16 on AMX with 8 to 16 query rows per KV head (head dims that are multiples
+// of 64), on the transposed score tiles of AmxKernels::key_scores: per block of 64 keys and KV
+// head, the scores with the keys read from the cache as they lie, the lane softmax down the keys
+// (key_weights), the values staged as pairs and the P V into the head's 16 padded output rows
+// (key_pv). The tree part (T <= 16 nodes here) takes it too, each key hidden from the rows whose
+// mask row lacks it (key_lane_masks). Same state and accumulator contract as attend_range.
+void amx_key_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k, const uint16_t* v,
+                   int64_t begin, int64_t end, bool tree, const uint32_t* mask_b, Workspace& ws,
+                   float* o, SoftmaxState* st) {
+  using K = AmxKernels;
+  const int d = static_cast<int>(sh.d);
+  const int rows = static_cast<int>(sh.rows);
+  const int heads = static_cast<int>(sh.heads);
+  const int g = static_cast<int>(sh.g);
+  const int words = d / 2;
+  const int64_t rs = a.kv_strides[1], hs = a.kv_strides[2];
+  const int row_bytes = d * static_cast<int>(sizeof(uint16_t));
+  const float mult = a.scale * kLog2e;
+  std::fill(ws.o_keys, ws.o_keys + static_cast<int64_t>(heads) * kAmxRows * d, 0.0f);
+  for (int h = 0; h < heads; ++h) {
+    K::lane_query<Lanes16>(ws.q + static_cast<int64_t>(h) * rows * d, d, rows, words,
+                           ws.qt + static_cast<int64_t>(h) * words * kLanes);
+    float* ml = ws.lane_ml + h * 2 * kLanes;
+    std::fill(ml, ml + kLanes, -INFINITY);
+    std::fill(ml + kLanes, ml + 2 * kLanes, 0.0f);
+  }
+  uint16_t* kpad = reinterpret_cast<uint16_t*>(ws.kt);
+  alignas(64) float alpha[kLanes];
+  amx_configure(kAmxRows);
+  for (int64_t j0 = begin; j0 < end; j0 += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, end - j0));
+    const int n_next = static_cast<int>(std::min<int64_t>(kBlock, end - j0 - n));
+    // The tree part: bit r of vis[j] is set when row r (tree node r / g) sees key j0 + j; the
+    // same for every KV head (a tree of at most 16 nodes here, so n <= 16).
+    uint32_t vis[kBlock];
+    if (tree) {
+      uint32_t node_vis[kLanes];
+      node_visibility(mask_b, sh.words, rows / g, static_cast<int>(j0 - begin), n, node_vis);
+      key_lane_masks(node_vis, rows, g, n, vis);
+    }
+    for (int h = 0; h < heads; ++h) {
+      const int64_t at = j0 * rs + h * hs;
+      // The head's next block, hinted into L2 before its work here (a burst per head: the
+      // hardware prefetchers do not follow rows Hkv * D apart across pages).
+      for (int j = 0; j < n_next; ++j) {
+        const char* kr = reinterpret_cast<const char*>(k + at + (n + j) * rs);
+        const char* vr = reinterpret_cast<const char*>(v + at + (n + j) * rs);
+        for (int off = 0; off < row_bytes; off += 64) {
+          _mm_prefetch(kr + off, _MM_HINT_T1);
+          _mm_prefetch(vr + off, _MM_HINT_T1);
+        }
+      }
+      float* ml = ws.lane_ml + h * 2 * kLanes;
+      K::key_scores(ws.qt + static_cast<int64_t>(h) * words * kLanes, k + at, rs, n, d, kpad,
+                    ws.s_keys);
+      K::key_weights(ws.s_keys, n, tree ? vis : nullptr, mult, ml, ws.pw_keys, alpha);
+      K::stage_tile_v<AttnDType::kBFloat16>(v + at, rs, n, d, ws.vb);
+      K::key_pv(ws.pw_keys, n, ws.vb, d, alpha, ws.o_keys + static_cast<int64_t>(h) * kAmxRows * d);
+    }
+  }
+  amx_release();
+  for (int h = 0; h < heads; ++h) {
+    const float* ml = ws.lane_ml + h * 2 * kLanes;
+    for (int r = 0; r < rows; ++r) {
+      st[h * rows + r] = SoftmaxState{ml[r], ml[kLanes + r]};
+      std::memcpy(o + (static_cast<int64_t>(h) * rows + r) * d,
+                  ws.o_keys + (static_cast<int64_t>(h) * kAmxRows + r) * d, d * sizeof(float));
+    }
+  }
+}
+#endif
+
+// The query rows per KV head from which bf16 on AMX takes amx_key_range (up to kAmxRows, the
+// columns of a tile). Against attend_range's 8-row tiles, S = 4096, B = 1 / 8, caches cold
+// (bench/attention_ab.py, session 42): 8 rows (T = 2 at GQA 4) 0.98x / 0.94x the time, 12 rows
+// 0.76x / 0.69x, 16 rows 0.81x / 0.84x.
+constexpr int64_t kKeyMinRows = 8;
+
+// Whether a work item takes amx_key_range where it would take the tiles.
+template <class K, AttnDType DT>
+bool use_amx_keys(const Shape& sh) {
+  return K::kAmx && DT == AttnDType::kBFloat16 && sh.d % 64 == 0 && sh.rows >= kKeyMinRows &&
+         sh.rows <= kAmxRows;
+}
+
+// amx_key_range for the element type of DT (only ever bf16 where use_amx_keys holds).
+template <AttnDType DT>
+void key_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
+               const typename Elem<DT>::T* v, int64_t begin, int64_t end, bool tree,
+               const uint32_t* mask_b, Workspace& ws, float* o, SoftmaxState* st) {
+#ifdef SD_X86
+  if constexpr (DT == AttnDType::kBFloat16) {
+    amx_key_range(a, sh, k, v, begin, end, tree, mask_b, ws, o, st);
+    return;
+  }
+#endif
+  (void)a, (void)sh, (void)k, (void)v, (void)begin, (void)end, (void)tree, (void)mask_b, (void)ws,
+      (void)o, (void)st;
+}
+
 // The query rows per KV head from which bf16 on AMX takes amx_chunk_range. Against attend_range's
 // 8-row tiles, S = 4096, B = 1 / 8, caches cold (bench/attention_ab.py, session 41): 32 rows
 // (T = 8 at GQA 4) 0.88x / 0.83x the time, 64 rows 0.69x / 0.82x, 256 rows 0.66x / 0.67x; at 16
@@ -2683,7 +2894,8 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   const int64_t rows = sh.heads * sh.rows;
   const bool stream = use_stream<K>(sh), lanes = use_lanes<K>(sh);
   const bool chunks = !stream && !lanes && use_amx_chunks<K, DT>(sh);
-  ws.reserve(rows, sh.d, stream, lanes ? sh.heads : 0, chunks);
+  const bool keys = !stream && !lanes && use_amx_keys<K, DT>(sh);
+  ws.reserve(rows, sh.d, stream, lanes || keys ? sh.heads : 0, chunks, keys ? sh.heads : 0);
   const int d = static_cast<int>(sh.d);
   const T* q = static_cast<const T*>(a.q);
   const float mult = a.scale * kLog2e;
@@ -2700,6 +2912,8 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
     lane_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   } else if (chunks) {
     chunk_range<DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
+  } else if (keys) {
+    key_range<DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   } else {
     attend_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   }
@@ -2716,6 +2930,9 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
     } else if (chunks) {
       chunk_range<DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws, ws.o_tree,
                       ws.st_tree);
+    } else if (keys) {
+      key_range<DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws, ws.o_tree,
+                    ws.st_tree);
     } else {
       attend_range<K, DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws,
                           ws.o_tree, ws.st_tree);

@@ -419,17 +419,45 @@ def test_row_tiles_over_strided_caches(isa, strided):
     check(q, k, v, lens, ops.tree_info(random_parents(2, 10, gen)).mask)
 
 
+@pytest.mark.parametrize("t", [16, 4])
 @pytest.mark.parametrize("ramp", [0.1, -0.1])
-def test_scores_that_climb_or_fall_along_the_cache(isa, ramp):
-    # Scores that climb along the cache raise every row's running max in every chunk, so the
-    # accumulators are rescaled at every chunk (the AMX chunk path scales its O rows only where
-    # the factor is not 1); falling scores never after the first chunk.
-    q, k, v, lens, gen = make_case(2, 16, 8, 2, 128, [1500, 700], seed=5)
+def test_scores_that_climb_or_fall_along_the_cache(isa, ramp, t):
+    # Scores that climb along the cache raise every row's running max in every chunk or block,
+    # so the accumulators are rescaled at every one (the AMX chunk and key-tile paths scale an O
+    # row only where its factor is not 1); falling scores never after the first. T = 16 takes the
+    # chunk path on AMX, T = 4 the key tiles.
+    q, k, v, lens, gen = make_case(2, t, 8, 2, 128, [1500, 700], seed=5)
     positions = torch.arange(k.shape[1], dtype=torch.float32)
     k[..., 0] = ramp * positions[None, :, None]
     q[..., 0] = 4.0
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    check(q, k, v, lens, ops.tree_info(random_parents(2, 16, gen)).mask)
+    check(q, k, v, lens, ops.tree_info(random_parents(2, t, gen)).mask)
+
+
+# bf16 on AMX with 8 to 16 query rows per KV head and a head dim that is a multiple of 64 runs
+# its scores transposed (amx_key_range: 16 keys of the cache as they lie in each A tile, the rows
+# in the columns): (2, 8, 2) is 8 rows, (3, 8, 2) 12, (4, 8, 2) and (1, 16, 1) 16. The prefixes
+# are empty, end mid-block or on a block boundary, or span several 256-key splits whose first
+# ends in a partial block (its keys copied into padded scratch). The other ISAs run the same
+# cases on their own paths.
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("t,hq,hkv", [(2, 8, 2), (3, 8, 2), (4, 8, 2), (1, 16, 1)])
+@pytest.mark.parametrize("prefix", [[0, 63], [64, 1000]])
+def test_key_tiles_over_blocks(isa, d, t, hq, hkv, prefix):
+    q, k, v, lens, gen = make_case(2, t, hq, hkv, d, prefix, torch.bfloat16, seed=d + 3 * t)
+    check(q, k, v, lens, ops.tree_info(random_parents(2, t, gen)).mask)
+    check(q, k, v, lens, None)
+
+
+@pytest.mark.parametrize("strided", [True, "odd"])
+def test_key_tiles_over_strided_caches(isa, strided):
+    # The key tiles load their A tiles straight from the cache: views into larger buffers, rows
+    # also off 16-byte boundaries ("odd").
+    q, k, v, lens, gen = make_case(
+        2, 4, 8, 2, 128, [300, 77], torch.bfloat16, seed=6, strided=strided
+    )
+    check(q, k, v, lens, ops.tree_info(random_parents(2, 4, gen)).mask)
+    check(q, k, v, lens, None)
 
 
 @pytest.mark.parametrize("d", [32, 128])
