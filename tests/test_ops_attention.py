@@ -529,6 +529,46 @@ def test_lse_merge_matches_one_pass_over_the_dense_mask():
     check(q, k, v, lens, mask)
 
 
+def denormal_product() -> float:
+    """A product whose exact result is denormal in fp32 (about 1e-41); 0 under flush-to-zero."""
+    return (torch.tensor([1e-38], dtype=torch.float32) * torch.tensor([1e-3])).item()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_callers_floating_point_mode_is_kept(threads):
+    # The CPU kernels flush denormal results to zero while they run (a denormal weight costs a
+    # microcode assist) and restore each thread's own mode after: torch's arithmetic on the
+    # calling thread still produces denormals afterwards.
+    assert denormal_product() != 0.0
+    q, k, v, lens, gen = make_case(2, 4, 8, 2, 64, [5, 300], torch.bfloat16, seed=13)
+    before = specdecode.get_num_threads()
+    try:
+        specdecode.set_num_threads(threads)
+        check(q, k, v, lens, ops.tree_info(random_parents(2, 4, gen)).mask)
+    finally:
+        specdecode.set_num_threads(before)
+    assert denormal_product() != 0.0
+
+
+def test_weights_far_below_the_max_vanish(isa):
+    # Scores more than 126 (in units of log2) below a row's max give weights that flush to zero
+    # on the CPU (they would be denormal); the reference keeps them, and they change nothing it
+    # can see: one key dominates every row.
+    q, k, v, lens, gen = make_case(2, 4, 8, 2, 64, [70, 200], seed=14)
+    q[..., 0] = 1.0
+    k[..., 0] = 0.0
+    k[0, 33, :, 0] = 2000.0
+    k[1, 150, :, 0] = 2000.0
+    for dtype in (torch.float32, torch.bfloat16):
+        check(
+            q.to(dtype),
+            k.to(dtype),
+            v.to(dtype),
+            lens,
+            ops.tree_info(random_parents(2, 4, gen)).mask,
+        )
+
+
 def test_results_do_not_depend_on_thread_count():
     q, k, v, lens, gen = make_case(2, 16, 8, 2, 64, [1500, 2600], seed=12)
     mask = ops.tree_info(random_parents(2, 16, gen)).mask
