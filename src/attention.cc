@@ -2652,6 +2652,8 @@ void amx_key_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k, c
   for (int64_t j0 = begin; j0 < end; j0 += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, end - j0));
     const int n_next = static_cast<int>(std::min<int64_t>(kBlock, end - j0 - n));
+    const NextKeys<uint16_t> next_k{k + (j0 + n) * rs, n_next, rs, hs};
+    const uint16_t* next_v = v + (j0 + n) * rs;
     // The tree part: bit r of vis[j] is set when row r (tree node r / g) sees key j0 + j; the
     // same for every KV head (a tree of at most 16 nodes here, so n <= 16).
     uint32_t vis[kBlock];
@@ -2665,12 +2667,8 @@ void amx_key_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k, c
       // The head's next block, hinted into L2 before its work here (a burst per head: the
       // hardware prefetchers do not follow rows Hkv * D apart across pages).
       for (int j = 0; j < n_next; ++j) {
-        const char* kr = reinterpret_cast<const char*>(k + at + (n + j) * rs);
-        const char* vr = reinterpret_cast<const char*>(v + at + (n + j) * rs);
-        for (int off = 0; off < row_bytes; off += 64) {
-          _mm_prefetch(kr + off, _MM_HINT_T1);
-          _mm_prefetch(vr + off, _MM_HINT_T1);
-        }
+        next_k.hint(j, h, row_bytes);
+        hint_next_values(next_v + h * hs, j, rs, row_bytes);
       }
       float* ml = ws.lane_ml + h * 2 * kLanes;
       K::key_scores(ws.qt + static_cast<int64_t>(h) * words * kLanes, k + at, rs, n, d, kpad,
@@ -2705,21 +2703,6 @@ bool use_amx_keys(const Shape& sh) {
          sh.rows <= kAmxRows;
 }
 
-// amx_key_range for the element type of DT (only ever bf16 where use_amx_keys holds).
-template <AttnDType DT>
-void key_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
-               const typename Elem<DT>::T* v, int64_t begin, int64_t end, bool tree,
-               const uint32_t* mask_b, Workspace& ws, float* o, SoftmaxState* st) {
-#ifdef SD_X86
-  if constexpr (DT == AttnDType::kBFloat16) {
-    amx_key_range(a, sh, k, v, begin, end, tree, mask_b, ws, o, st);
-    return;
-  }
-#endif
-  (void)a, (void)sh, (void)k, (void)v, (void)begin, (void)end, (void)tree, (void)mask_b, (void)ws,
-      (void)o, (void)st;
-}
-
 // The query rows per KV head from which bf16 on AMX takes amx_chunk_range. Against attend_range's
 // 8-row tiles, S = 4096, B = 1 / 8, caches cold (bench/attention_ab.py, session 41): 32 rows
 // (T = 8 at GQA 4) 0.88x / 0.83x the time, 64 rows 0.69x / 0.82x, 256 rows 0.66x / 0.67x; at 16
@@ -2732,19 +2715,28 @@ bool use_amx_chunks(const Shape& sh) {
   return K::kAmx && DT == AttnDType::kBFloat16 && sh.d % 64 == 0 && sh.rows >= kChunkMinRows;
 }
 
-// amx_chunk_range for the element type of DT (only ever bf16 where use_amx_chunks holds).
+// The AMX paths of bf16: amx_chunk_range (32 or more rows per KV head, use_amx_chunks) and
+// amx_key_range (8 to 16, use_amx_keys).
+enum class AmxPath { kChunks, kKeys };
+
+// The AMX path `path` for the element type of DT: only ever bf16 where its use_amx_* holds, so
+// the other element types (and other architectures) compile to nothing here.
 template <AttnDType DT>
-void chunk_range(const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
-                 const typename Elem<DT>::T* v, int64_t begin, int64_t end, bool tree,
-                 const uint32_t* mask_b, Workspace& ws, float* o, SoftmaxState* st) {
+void amx_range(AmxPath path, const AttentionArgs& a, const Shape& sh, const typename Elem<DT>::T* k,
+               const typename Elem<DT>::T* v, int64_t begin, int64_t end, bool tree,
+               const uint32_t* mask_b, Workspace& ws, float* o, SoftmaxState* st) {
 #ifdef SD_X86
   if constexpr (DT == AttnDType::kBFloat16) {
-    amx_chunk_range(a, sh, k, v, begin, end, tree, mask_b, ws, o, st);
+    if (path == AmxPath::kChunks) {
+      amx_chunk_range(a, sh, k, v, begin, end, tree, mask_b, ws, o, st);
+    } else {
+      amx_key_range(a, sh, k, v, begin, end, tree, mask_b, ws, o, st);
+    }
     return;
   }
 #endif
-  (void)a, (void)sh, (void)k, (void)v, (void)begin, (void)end, (void)tree, (void)mask_b, (void)ws,
-      (void)o, (void)st;
+  (void)path, (void)a, (void)sh, (void)k, (void)v, (void)begin, (void)end, (void)tree, (void)mask_b,
+      (void)ws, (void)o, (void)st;
 }
 
 // Whether the prefix of a work item takes the streaming path (see stream_partials_f32) or,
@@ -2937,9 +2929,11 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   } else if (lanes) {
     lane_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   } else if (chunks) {
-    chunk_range<DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
+    amx_range<DT>(AmxPath::kChunks, a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix,
+                  ws.st_prefix);
   } else if (keys) {
-    key_range<DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
+    amx_range<DT>(AmxPath::kKeys, a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix,
+                  ws.st_prefix);
   } else {
     attend_range<K, DT>(a, sh, k, v, begin, end, false, nullptr, ws, ws.o_prefix, ws.st_prefix);
   }
@@ -2954,11 +2948,11 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
       lane_range<K, DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws,
                         ws.o_tree, ws.st_tree);
     } else if (chunks) {
-      chunk_range<DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws, ws.o_tree,
-                      ws.st_tree);
+      amx_range<DT>(AmxPath::kChunks, a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true,
+                    mask_b, ws, ws.o_tree, ws.st_tree);
     } else if (keys) {
-      key_range<DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws, ws.o_tree,
-                    ws.st_tree);
+      amx_range<DT>(AmxPath::kKeys, a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b,
+                    ws, ws.o_tree, ws.st_tree);
     } else {
       attend_range<K, DT>(a, sh, k + prefix * rs, v + prefix * rs, 0, sh.t, true, mask_b, ws,
                           ws.o_tree, ws.st_tree);

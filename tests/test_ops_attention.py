@@ -409,14 +409,17 @@ def test_row_tiles_over_key_chunks(isa, d, t, hq, hkv, prefix):
     check(q, k, v, lens, None)
 
 
+@pytest.mark.parametrize("t", [10, 4])
 @pytest.mark.parametrize("strided", [True, "odd"])
-def test_row_tiles_over_strided_caches(isa, strided):
-    # The AMX chunk path's staging and tile loads on views into larger buffers, rows also off
-    # 16-byte boundaries ("odd").
+def test_amx_tiles_over_strided_caches(isa, strided, t):
+    # The AMX paths' staging and tile loads on views into larger buffers, rows also off 16-byte
+    # boundaries ("odd"): T = 10 (40 rows per KV head) takes the chunk path, T = 4 (16 rows) the
+    # key tiles, whose A tiles are loaded straight from the cache.
     q, k, v, lens, gen = make_case(
-        2, 10, 8, 2, 128, [300, 77], torch.bfloat16, seed=4, strided=strided
+        2, t, 8, 2, 128, [300, 77], torch.bfloat16, seed=4 + t, strided=strided
     )
-    check(q, k, v, lens, ops.tree_info(random_parents(2, 10, gen)).mask)
+    check(q, k, v, lens, ops.tree_info(random_parents(2, t, gen)).mask)
+    check(q, k, v, lens, None)
 
 
 @pytest.mark.parametrize("t", [16, 4])
@@ -446,17 +449,6 @@ def test_scores_that_climb_or_fall_along_the_cache(isa, ramp, t):
 def test_key_tiles_over_blocks(isa, d, t, hq, hkv, prefix):
     q, k, v, lens, gen = make_case(2, t, hq, hkv, d, prefix, torch.bfloat16, seed=d + 3 * t)
     check(q, k, v, lens, ops.tree_info(random_parents(2, t, gen)).mask)
-    check(q, k, v, lens, None)
-
-
-@pytest.mark.parametrize("strided", [True, "odd"])
-def test_key_tiles_over_strided_caches(isa, strided):
-    # The key tiles load their A tiles straight from the cache: views into larger buffers, rows
-    # also off 16-byte boundaries ("odd").
-    q, k, v, lens, gen = make_case(
-        2, 4, 8, 2, 128, [300, 77], torch.bfloat16, seed=6, strided=strided
-    )
-    check(q, k, v, lens, ops.tree_info(random_parents(2, 4, gen)).mask)
     check(q, k, v, lens, None)
 
 

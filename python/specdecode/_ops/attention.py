@@ -290,7 +290,9 @@ def tree_attention(
         weights rounded to bfloat16 (relative error 2^-9 per weight, the size of the output's
         own rounding), as the CUDA kernel's tensor-core products, FlashAttention and torch's
         bf16 SDPA do: about a third of the outputs are then one bf16 ulp off the exactly
-        rounded result, with errors no larger than SDPA's.
+        rounded result, with errors no larger than SDPA's. The CPU kernels flush denormal
+        intermediate results (softmax weights below 2^-126 of a row's largest) to zero, and
+        restore the calling thread's floating-point mode after.
     lse : torch.Tensor
         float32 ``[B, T, Hq]``, natural log; only with ``return_lse``. A row that sees no key at
         all (empty prefix and an all-zero mask row, e.g. a padding node) gets ``out = 0`` and
