@@ -437,6 +437,24 @@ def test_scores_that_climb_or_fall_along_the_cache(isa, ramp, t):
     check(q, k, v, lens, ops.tree_info(random_parents(2, t, gen)).mask)
 
 
+@pytest.mark.parametrize("t", [16, 64])
+def test_a_score_far_above_the_running_max(isa, t):
+    # Keys whose scores stand ~200 (log2) above the rest, after the rows' max has settled: the
+    # AMX chunk path weighs a chunk against the running max when no score rises more than 8
+    # above it, and must take a new max here (2^200 overflows fp32). The keys sit mid-chunk, on
+    # a chunk's first key (384 at T = 64, 604 at T = 16: 256-key splits counted from the end)
+    # and last in a prefix.
+    q, k, v, lens, gen = make_case(2, t, 8, 2, 128, [1500, 700], seed=11)
+    q[..., 0] = 4.0
+    k[..., 0] = 0.0
+    for pos in (200, 384, 604, 1100, 1499):
+        k[:, pos, :, 0] = 400.0
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out, _ = check(q, k, v, lens, None)
+    assert torch.isfinite(out).all()
+    check(q, k, v, lens, ops.tree_info(random_parents(2, t, gen)).mask)
+
+
 # bf16 on AMX with 8 to 16 query rows per KV head and a head dim that is a multiple of 64 runs
 # its scores transposed (amx_key_range: 16 keys of the cache as they lie in each A tile, the rows
 # in the columns): (2, 8, 2) is 8 rows, (3, 8, 2) 12, (4, 8, 2) and (1, 16, 1) 16. The prefixes

@@ -52,6 +52,13 @@ SD_HD_INLINE float softmax_rescale(SoftmaxState* state, float block_max) {
   // exp2f(0) = 1, returned here without the call (the AMX tiles rescale once per row and chunk).
   if (block_max <= state->m && state->m > -INFINITY && state->m < INFINITY) return 1.0f;
   const float new_max = block_max > state->m ? block_max : state->m;
+  // Nothing seen yet: the factor exp2f(-inf - x) is 0 for every reference x, so the call is
+  // skipped (each row's first block of every split, where it was the kernels' commonest call).
+  if (state->m == -INFINITY) {
+    state->m = new_max;
+    state->l *= 0.0f;  // 0, or NaN kept from a NaN score, as the product with exp2f would give
+    return 0.0f;
+  }
   const float alpha = exp2f(state->m - softmax_reference(new_max));
   state->m = new_max;
   state->l *= alpha;
@@ -86,6 +93,13 @@ SD_HD_INLINE float lse_merge_weights(float lse_a, float lse_b, float* wa, float*
     *wa = 0.0f;
     *wb = 0.0f;
     return -INFINITY;
+  }
+  // One side empty: the weights below would be exactly 0 and 1 and the sum 1, so the three calls
+  // are skipped (the first split of every merge, a row without a tree part).
+  if (lse_a == -INFINITY || lse_b == -INFINITY) {
+    *wa = lse_a == -INFINITY ? 0.0f : 1.0f;
+    *wb = 1.0f - *wa;
+    return hi;
   }
   const float ea = exp2f(lse_a - hi);
   const float eb = exp2f(lse_b - hi);
