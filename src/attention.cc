@@ -2316,18 +2316,21 @@ struct Workspace {
   std::vector<SoftmaxState> states;
 
   // rows: query rows of the work item; stream: whether the streaming prefix path runs;
-  // lane_heads: KV heads of the lane path (0 when it does not run); chunk: whether
-  // amx_chunk_range runs; key_heads: KV heads of amx_key_range (0 when it does not run).
-  void reserve(int64_t rows, int64_t d, bool stream, int64_t lane_heads, bool chunk = false,
+  // lane_heads: KV heads of the lane path (0 when it does not run); chunk_heads: KV heads of
+  // amx_chunk_range (0 when it does not run); key_heads: KV heads of amx_key_range (0 when it
+  // does not run).
+  void reserve(int64_t rows, int64_t d, bool stream, int64_t lane_heads, int64_t chunk_heads = 0,
                int64_t key_heads = 0) {
+    const bool chunk = chunk_heads > 0;
     auto up = [](int64_t n) { return (n + 15) / 16 * 16; };
     const int64_t part_need = stream ? rows * kStreamKeys * 16 : 0;
     const int64_t sall_need = stream || lane_heads > 0 ? rows * kBlock : 0;
     const int64_t lane_need = lane_heads * (d * kLanes + 2 * kLanes);
-    // K^T and V pairs of a chunk: kChunkKeys * d / 2 words each; the visibility words count
-    // as two floats each.
+    // K^T and V pairs of a chunk: kChunkKeys * d / 2 words each; a padded tile's query and
+    // output rows per KV head; the visibility words count as two floats each.
     const int64_t chunk_need = chunk ? 2 * kChunkKeys * up(d) / 2 + 2 * kChunkRows * kChunkKeys +
-                                           2 * kChunkRows * up(d) + 2 * kChunkRows * kChunkBlocks
+                                           2 * chunk_heads * kChunkRows * up(d) +
+                                           2 * kChunkRows * kChunkBlocks
                                      : 0;
     const int64_t keys_need =
         key_heads > 0 ? key_heads * kAmxRows * up(d) + kBlock * kAmxRows + kBlock / 2 * kAmxRows
@@ -2352,9 +2355,9 @@ struct Workspace {
     v_chunk = kt_chunk + (chunk ? kChunkKeys * up(d) / 2 : 0);
     s_chunk = v_chunk + (chunk ? kChunkKeys * up(d) / 2 : 0);
     q_pad = s_chunk + (chunk ? 2 * kChunkRows * kChunkKeys : 0);
-    o_pad = q_pad + (chunk ? kChunkRows * up(d) : 0);
-    vis_chunk = reinterpret_cast<uint64_t*>(o_pad + (chunk ? kChunkRows * up(d) : 0));
-    o_keys = o_pad + (chunk ? kChunkRows * up(d) + 2 * kChunkRows * kChunkBlocks : 0);
+    o_pad = q_pad + chunk_heads * kChunkRows * up(d);
+    vis_chunk = reinterpret_cast<uint64_t*>(o_pad + chunk_heads * kChunkRows * up(d));
+    o_keys = o_pad + chunk_heads * kChunkRows * up(d) + (chunk ? 2 * kChunkRows * kChunkBlocks : 0);
     s_keys = o_keys + key_heads * kAmxRows * up(d);
     pw_keys = reinterpret_cast<uint32_t*>(s_keys + (key_heads > 0 ? kBlock * kAmxRows : 0));
     states.resize(2 * rows);
@@ -2549,6 +2552,19 @@ void amx_chunk_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k,
   std::fill(o, o + sh.heads * sh.rows * sh.d, 0.0f);
   for (int64_t r = 0; r < sh.heads * sh.rows; ++r) st[r] = softmax_init();
   const int tiles = (rows + kChunkRows - 1) / kChunkRows;
+  // A last partial tile of each KV head works on padded rows (zero queries past its rows) of
+  // 16, or 32 past 16, set up once per range: its query rows, and its output rows, which are
+  // copied back after the last chunk.
+  const int part = rows % kChunkRows;
+  const int64_t pad_stride = static_cast<int64_t>(kChunkRows) * d;
+  if (part != 0) {
+    std::fill(ws.q_pad, ws.q_pad + sh.heads * pad_stride, 0.0f);
+    std::fill(ws.o_pad, ws.o_pad + sh.heads * pad_stride, 0.0f);
+    for (int64_t head = 0; head < sh.heads; ++head) {
+      std::memcpy(ws.q_pad + head * pad_stride, ws.q + (head * sh.rows + rows - part) * sh.d,
+                  static_cast<size_t>(part) * d * sizeof(float));
+    }
+  }
   amx_configure(kAmxRows);
   for (int64_t c0 = begin; c0 < end; c0 += kChunkKeys) {
     const int nk = static_cast<int>(std::min<int64_t>(kChunkKeys, end - c0));
@@ -2573,22 +2589,12 @@ void amx_chunk_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k,
       const int next_nk =
           static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kChunkKeys, end - nc0)));
       const int64_t base = head * sh.rows;
-      // The row tiles' query and output rows; a last partial tile works on padded copies (zero
-      // queries past its rows) of 16 rows, or 32 past 16.
-      const int part = rows % kChunkRows;
-      if (part != 0) {
-        const int64_t at = (base + rows - part) * sh.d;
-        std::memcpy(ws.q_pad, ws.q + at, static_cast<size_t>(part) * d * sizeof(float));
-        std::fill(ws.q_pad + part * d, ws.q_pad + kChunkRows * d, 0.0f);
-        std::memcpy(ws.o_pad, o + at, static_cast<size_t>(part) * d * sizeof(float));
-        std::fill(ws.o_pad + part * d, ws.o_pad + kChunkRows * d, 0.0f);
-      }
       auto padded = [&](int ti) { return part != 0 && ti == tiles - 1; };
       auto tile_q = [&](int ti) -> const float* {
-        return padded(ti) ? ws.q_pad : ws.q + (base + ti * kChunkRows) * sh.d;
+        return padded(ti) ? ws.q_pad + head * pad_stride : ws.q + (base + ti * kChunkRows) * sh.d;
       };
       auto tile_o = [&](int ti) -> float* {
-        return padded(ti) ? ws.o_pad : o + (base + ti * kChunkRows) * sh.d;
+        return padded(ti) ? ws.o_pad + head * pad_stride : o + (base + ti * kChunkRows) * sh.d;
       };
       auto tile_rows = [&](int ti) { return std::min(kChunkRows, rows - ti * kChunkRows); };
       auto tile_halves = [&](int ti) { return tile_rows(ti) > kAmxRows ? 2 : 1; };
@@ -2623,13 +2629,13 @@ void amx_chunk_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k,
                       hint);
       }
       K::run_pv(pv_job(tiles - 1));
-      if (part != 0) {
-        std::memcpy(o + (base + rows - part) * sh.d, ws.o_pad,
-                    static_cast<size_t>(part) * d * sizeof(float));
-      }
     }
   }
   amx_release();
+  for (int64_t head = 0; head < sh.heads && part != 0; ++head) {
+    std::memcpy(o + (head * sh.rows + rows - part) * sh.d, ws.o_pad + head * pad_stride,
+                static_cast<size_t>(part) * d * sizeof(float));
+  }
 }
 #endif
 
@@ -2927,7 +2933,8 @@ void run_item(const AttentionArgs& a, const Shape& sh, int64_t b, int64_t kvh0, 
   const bool stream = use_stream<K>(sh), lanes = use_lanes<K>(sh);
   const bool chunks = !stream && !lanes && use_amx_chunks<K, DT>(sh);
   const bool keys = !stream && !lanes && use_amx_keys<K, DT>(sh);
-  ws.reserve(rows, sh.d, stream, lanes || keys ? sh.heads : 0, chunks, keys ? sh.heads : 0);
+  ws.reserve(rows, sh.d, stream, lanes || keys ? sh.heads : 0, chunks ? sh.heads : 0,
+             keys ? sh.heads : 0);
   const int d = static_cast<int>(sh.d);
   const T* q = static_cast<const T*>(a.q);
   const float mult = a.scale * kLog2e;
