@@ -94,9 +94,9 @@ SD_HD_INLINE float lse_merge_weights(float lse_a, float lse_b, float* wa, float*
     *wb = 0.0f;
     return -INFINITY;
   }
-  // One side empty: the weights below would be exactly 0 and 1 and the sum 1, so the three calls
-  // are skipped (the first split of every merge, a row without a tree part).
-  if (lse_a == -INFINITY || lse_b == -INFINITY) {
+  // One side empty and the other finite: the weights below would be exactly 0 and 1 and the sum
+  // 1, so the three calls are skipped (the first split of every merge, a row without a tree part).
+  if ((lse_a == -INFINITY || lse_b == -INFINITY) && hi < INFINITY) {
     *wa = lse_a == -INFINITY ? 0.0f : 1.0f;
     *wb = 1.0f - *wa;
     return hi;
