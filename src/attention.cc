@@ -2161,9 +2161,9 @@ struct AmxKernels : Avx512Bf16Kernels {
       top = _mm512_mask_max_ps(top, keep, top, x[c]);
     }
     // A row's first visible keys always set its max (m = -inf, ref 0); later ones when above m.
-    const __m512 floor = _mm512_set1_ps(st->m == -INFINITY ? -INFINITY : 0.0f);
+    const __m512 rise = _mm512_set1_ps(st->m == -INFINITY ? -INFINITY : 0.0f);
     float alpha = 1.0f;
-    if (_mm512_cmp_ps_mask(top, floor, _CMP_GT_OQ) != 0) {
+    if (_mm512_cmp_ps_mask(top, rise, _CMP_GT_OQ) != 0) {
       // mult > 0, so the max of the scaled scores is the scaled max.
       alpha = softmax_rescale(st, ref + _mm512_reduce_max_ps(top));
       const __m512 shift = _mm512_set1_ps(softmax_reference(st->m) - ref);
@@ -2397,20 +2397,11 @@ Workspace& thread_workspace() {
   return ws;
 }
 
-// Visible keys of a block: bit j set when key j0 + j (< j0 + n) may be attended to.
+// Visible keys of a block: bit j set when key j0 + j (< j0 + n) may be attended to; every key of
+// the prefix (tree false), the tree's by tree_visible_bits (j0 and the bits relative to the tree).
 inline uint64_t block_visibility(const uint32_t* mask_row, int query, int j0, int n, bool tree) {
-  const uint64_t keys = n >= 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1);
-  if (!tree || n <= 0) return n <= 0 ? 0 : keys;
-  if (!mask_row) {  // the causal chain: keys j0 + j <= query
-    const int seen = query - j0 + 1;
-    return seen <= 0 ? 0 : (seen >= 64 ? keys : keys & ((uint64_t{1} << seen) - 1));
-  }
-  // Bits j0 .. j0 + n - 1 of the mask row, from the (at most three) words that hold them.
-  const int w0 = j0 >> 5, shift = j0 & 31, w_end = (j0 + n + 31) >> 5;
-  uint64_t bits = static_cast<uint64_t>(mask_row[w0]) >> shift;
-  if (w0 + 1 < w_end) bits |= static_cast<uint64_t>(mask_row[w0 + 1]) << (32 - shift);
-  if (w0 + 2 < w_end) bits |= static_cast<uint64_t>(mask_row[w0 + 2]) << (64 - shift);
-  return bits & keys;
+  if (tree) return tree_visible_bits(mask_row, query, j0, n);
+  return n <= 0 ? 0 : (n >= 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1));
 }
 
 // block_visibility of keys [j0, j0 + n) (n <= 32) for each tree node t < nodes of a sequence's

@@ -109,10 +109,29 @@ SD_HD_INLINE float lse_merge_weights(float lse_a, float lse_b, float* wa, float*
   return hi + log2f(sum);
 }
 
-// Whether tree node `key` is visible from tree node `query`: bit `key` of the query's mask row,
-// or, without a mask, the causal chain rule key <= query.
+// The tree nodes [j0, j0 + n) visible from tree node `query`, bit j for node j0 + j: bits j0 ..
+// j0 + n - 1 of the query's mask row, or, without a mask, the causal chain rule key <= query.
+// Needs 0 <= j0, 0 <= n, j0 % 32 + n <= 64 (the bits lie in at most two mask words) and j0 + n
+// at most the row's nodes. The one statement of the rule: the CPU reads its blocks through it
+// (16 or 64 keys from a multiple of their size), the CUDA kernels one key (tree_key_visible).
+SD_HD_INLINE uint64_t tree_visible_bits(const uint32_t* mask_row, int query, int j0, int n) {
+  if (n <= 0) return 0;
+  const uint64_t keys = n >= 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1);
+  if (!mask_row) {
+    const int seen = query - j0 + 1;  // keys j0 .. query
+    if (seen >= n) return keys;
+    return seen <= 0 ? 0 : keys & ((uint64_t{1} << seen) - 1);
+  }
+  // A second word only where the bits run past the first (never for one node: shift <= 31).
+  const int w0 = j0 >> 5, shift = j0 & 31;
+  uint64_t bits = static_cast<uint64_t>(mask_row[w0]) >> shift;
+  if (shift + n > 32) bits |= static_cast<uint64_t>(mask_row[w0 + 1]) << (32 - shift);
+  return bits & keys;
+}
+
+// Whether tree node `key` is visible from tree node `query` (tree_visible_bits of one node).
 SD_HD_INLINE bool tree_key_visible(const uint32_t* mask_row, int query, int key) {
-  return mask_row ? mask_test(mask_row, key) : key <= query;
+  return (tree_visible_bits(mask_row, query, key, 1) & 1u) != 0;
 }
 
 // ---- compact_kv --------------------------------------------------------------------------

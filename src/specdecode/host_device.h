@@ -31,10 +31,6 @@ SD_HD_INLINE int mask_words(int num_nodes) {
   return (num_nodes + kMaskWordBits - 1) / kMaskWordBits;
 }
 
-SD_HD_INLINE bool mask_test(const uint32_t* row, int j) {
-  return (row[j / kMaskWordBits] >> (j % kMaskWordBits)) & 1u;
-}
-
 // ---- 16-bit floats, bit-exact on host and device -------------------------------------------
 // Conversions work on the raw 16-bit patterns so the host needs no half-precision type.
 
