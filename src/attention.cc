@@ -2023,7 +2023,8 @@ struct AmxKernels : Avx512Bf16Kernels {
   // phases in turn (S = 4096, T = 64, B = 1 / 8).
   // The 32-row groups load their K^T and V tiles with the no-reuse hint (TILELOADDT1): each row
   // tile reads them from L2 anyway (a chunk's 64 KB outgrow L1), and kept out of L1 they leave
-  // it to the row tile's query, weights and output rows (2-3 % less time at S = 4096, T = 64).
+  // it to the row tile's query, weights and output rows (0.97-1.00x the time at S = 4096, T = 64
+  // in four A/B runs).
 
   // The scores of a row tile: s[r][64 b + j] = q_r . k_j (unscaled) for the 16 * halves rows of
   // q (pair words, rows d words apart) and the keys of `blocks` blocks of K^T pair words at kt
