@@ -2404,8 +2404,7 @@ Workspace& thread_workspace() {
 // Visible keys of a block: bit j set when key j0 + j (< j0 + n) may be attended to; every key of
 // the prefix (tree false), the tree's by tree_visible_bits (j0 and the bits relative to the tree).
 inline uint64_t block_visibility(const uint32_t* mask_row, int query, int j0, int n, bool tree) {
-  if (tree) return tree_visible_bits(mask_row, query, j0, n);
-  return n <= 0 ? 0 : (n >= 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1));
+  return tree ? tree_visible_bits(mask_row, query, j0, n) : low_bits(n);
 }
 
 // block_visibility of keys [j0, j0 + n) (n <= 32) for each tree node t < nodes of a sequence's

@@ -109,6 +109,11 @@ SD_HD_INLINE float lse_merge_weights(float lse_a, float lse_b, float* wa, float*
   return hi + log2f(sum);
 }
 
+// The low n bits of a word (none for n <= 0, all for n >= 64): a block of n keys.
+SD_HD_INLINE uint64_t low_bits(int n) {
+  return n <= 0 ? 0 : (n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1);
+}
+
 // The tree nodes [j0, j0 + n) visible from tree node `query`, bit j for node j0 + j: bits j0 ..
 // j0 + n - 1 of the query's mask row, or, without a mask, the causal chain rule key <= query.
 // Needs 0 <= j0, 0 <= n, j0 % 32 + n <= 64 (the bits lie in at most two mask words) and j0 + n
@@ -116,12 +121,8 @@ SD_HD_INLINE float lse_merge_weights(float lse_a, float lse_b, float* wa, float*
 // (16 or 64 keys from a multiple of their size), the CUDA kernels one key (tree_key_visible).
 SD_HD_INLINE uint64_t tree_visible_bits(const uint32_t* mask_row, int query, int j0, int n) {
   if (n <= 0) return 0;
-  const uint64_t keys = n >= 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1);
-  if (!mask_row) {
-    const int seen = query - j0 + 1;  // keys j0 .. query
-    if (seen >= n) return keys;
-    return seen <= 0 ? 0 : keys & ((uint64_t{1} << seen) - 1);
-  }
+  const uint64_t keys = low_bits(n);
+  if (!mask_row) return keys & low_bits(query - j0 + 1);  // keys j0 .. query
   // A second word only where the bits run past the first (never for one node: shift <= 31).
   const int w0 = j0 >> 5, shift = j0 & 31;
   uint64_t bits = static_cast<uint64_t>(mask_row[w0]) >> shift;
