@@ -442,8 +442,8 @@ def test_a_score_far_above_the_running_max(isa, t):
     # Keys whose scores stand ~200 (log2) above the rest, after the rows' max has settled: the
     # AMX chunk path weighs a chunk against the running max as it stands unless a score rises
     # above it, and must take the new max here (2^200 overflows fp32). The keys sit mid-chunk, on
-    # a chunk's first key (384 at T = 64, 604 at T = 16: 256-key splits counted from the end)
-    # and last in a prefix.
+    # a chunk's first key (384 at T = 64, whose 1500-key prefix is one split; 604 at T = 16, whose
+    # grouped rows take 256-key splits counted from the end) and last in a prefix.
     q, k, v, lens, gen = make_case(2, t, 8, 2, 128, [1500, 700], seed=11)
     q[..., 0] = 4.0
     k[..., 0] = 0.0
