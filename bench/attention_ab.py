@@ -9,9 +9,11 @@ other processes on a shared machine over both builds alike; compare medians over
 
     python bench/attention_ab.py --rounds 6 --base "" --new /tmp/side_new
     python bench/attention_ab.py --new /tmp/side_new --cases bf16:1:4096:4 fp32:1:512:1
+    python bench/attention_ab.py --new /tmp/side_new --cases fp32:1:200:4:16:16:64
 
-Cases: Hq 32, Hkv 8, D 128 (GQA 4), chains of T tree nodes after a prefix of S keys; the default
-list below, or ``--cases DTYPE:B:S:T ...``.
+Cases: chains of T tree nodes after a prefix of S keys, Hq 32, Hkv 8, D 128 (GQA 4) unless a
+case names its own heads and head dim; the default list below, or ``--cases DTYPE:B:S:T ...``
+(``DTYPE:B:S:T:HQ:HKV:D`` for other heads).
 """
 
 from __future__ import annotations
@@ -24,46 +26,57 @@ import sys
 import time
 
 DTYPES = ("bf16", "fp32", "fp16")
-CASES = [  # (dtype, B, S, T)
-    ("bf16", 8, 4096, 1),
-    ("bf16", 1, 16384, 1),
-    ("bf16", 1, 4096, 1),
-    ("fp32", 8, 4096, 1),
-    ("fp32", 1, 16384, 1),
-    ("fp16", 8, 4096, 1),
-    ("bf16", 8, 4096, 2),
-    ("fp32", 8, 4096, 2),
-    ("bf16", 8, 4096, 4),
-]
 HQ, HKV, D = 32, 8, 128
+Case = tuple[str, int, int, int, int, int, int]  # (dtype, B, S, T, Hq, Hkv, D)
+CASES: list[Case] = [
+    ("bf16", 8, 4096, 1, HQ, HKV, D),
+    ("bf16", 1, 16384, 1, HQ, HKV, D),
+    ("bf16", 1, 4096, 1, HQ, HKV, D),
+    ("fp32", 8, 4096, 1, HQ, HKV, D),
+    ("fp32", 1, 16384, 1, HQ, HKV, D),
+    ("fp16", 8, 4096, 1, HQ, HKV, D),
+    ("bf16", 8, 4096, 2, HQ, HKV, D),
+    ("fp32", 8, 4096, 2, HQ, HKV, D),
+    ("bf16", 8, 4096, 4, HQ, HKV, D),
+]
 
 
-def case_name(case: tuple[str, int, int, int]) -> str:
-    dtype, b, s, t = case
-    return f"{dtype} B{b} S{s} T{t}"
+def case_name(case: Case) -> str:
+    dtype, b, s, t, hq, hkv, d = case
+    heads = "" if (hq, hkv, d) == (HQ, HKV, D) else f" Hq{hq} Hkv{hkv} D{d}"
+    return f"{dtype} B{b} S{s} T{t}{heads}"
 
 
-def parse_case(text: str) -> tuple[str, int, int, int]:
-    """``"bf16:1:4096:4"`` -> ``("bf16", 1, 4096, 4)``."""
+def parse_case(text: str) -> Case:
+    """``"bf16:1:4096:4"`` -> ``("bf16", 1, 4096, 4, 32, 8, 128)``; ``"fp32:1:200:4:16:16:64"``
+    names the heads and head dim too."""
     parts = text.split(":")
-    if len(parts) != 4 or parts[0] not in DTYPES:
+    if len(parts) not in (4, 7) or parts[0] not in DTYPES:
         raise argparse.ArgumentTypeError(
-            f"expected DTYPE:B:S:T with DTYPE one of {DTYPES}, got {text!r}"
+            f"expected DTYPE:B:S:T or DTYPE:B:S:T:HQ:HKV:D with DTYPE one of {DTYPES}, got {text!r}"
         )
     try:
-        b, s, t = (int(x) for x in parts[1:])
+        b, s, t, hq, hkv, d = (
+            int(x) for x in parts[1:] + [str(HQ), str(HKV), str(D)][: 7 - len(parts)]
+        )
     except ValueError:
-        raise argparse.ArgumentTypeError(f"B, S and T must be integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"B, S, T, HQ, HKV and D must be integers, got {text!r}"
+        ) from None
     if b < 1 or s < 0 or t < 1:
         raise argparse.ArgumentTypeError(f"need B >= 1, S >= 0, T >= 1, got {text!r}")
-    return parts[0], b, s, t
+    if hkv < 1 or d < 1 or hq < hkv or hq % hkv:
+        raise argparse.ArgumentTypeError(
+            f"need HKV >= 1, D >= 1 and HQ a multiple of HKV, got {text!r}"
+        )
+    return parts[0], b, s, t, hq, hkv, d
 
 
-def case_arg(case: tuple[str, int, int, int]) -> str:
+def case_arg(case: Case) -> str:
     return ":".join(str(x) for x in case)
 
 
-def time_cases(calls: int, cases: list[tuple[str, int, int, int]]) -> list[float]:
+def time_cases(calls: int, cases: list[Case]) -> list[float]:
     """Min ms of ``calls`` cold-cache calls per case, in this process."""
     import torch
 
@@ -73,11 +86,11 @@ def time_cases(calls: int, cases: list[tuple[str, int, int, int]]) -> list[float
     torch.manual_seed(0)
     flush = torch.empty(96 << 20, dtype=torch.uint8)
     out = []
-    for dtype, b, s, t in cases:
+    for dtype, b, s, t, hq, hkv, d in cases:
         dt = dtypes[dtype]
-        q = torch.randn(b, t, HQ, D, dtype=dt)
-        k = torch.randn(b, s + t, HKV, D, dtype=dt)
-        v = torch.randn(b, s + t, HKV, D, dtype=dt)
+        q = torch.randn(b, t, hq, d, dtype=dt)
+        k = torch.randn(b, s + t, hkv, d, dtype=dt)
+        v = torch.randn(b, s + t, hkv, d, dtype=dt)
         prefix = torch.full((b,), s, dtype=torch.int32)
         ops.tree_attention(q, k, v, prefix)
         best = float("inf")
@@ -90,7 +103,7 @@ def time_cases(calls: int, cases: list[tuple[str, int, int, int]]) -> list[float
     return out
 
 
-def run_build(path: str, calls: int, cases: list[tuple[str, int, int, int]]) -> list[float]:
+def run_build(path: str, calls: int, cases: list[Case]) -> list[float]:
     env = dict(os.environ)
     if path:
         env["PYTHONPATH"] = path
@@ -121,8 +134,9 @@ def main() -> None:
         nargs="+",
         type=parse_case,
         default=CASES,
-        metavar="DTYPE:B:S:T",
-        help="cases to time instead of the default list, e.g. bf16:1:4096:4",
+        metavar="DTYPE:B:S:T[:HQ:HKV:D]",
+        help="cases to time instead of the default list, e.g. bf16:1:4096:4 or "
+        "fp32:1:200:4:16:16:64",
     )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

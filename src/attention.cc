@@ -18,7 +18,8 @@
 // the bitmask. They accumulate into separate states that are merged with the log-sum-exp rule,
 // like the prefix splits of a long cache. The split size is a function of the shapes only
 // (make_shape, split_keys_of), never of the thread count, so results do not depend on the number
-// of threads.
+// of threads; how many KV heads an item takes may follow the thread count (heads_per_item), as a
+// head's rows compute the same in any item.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -3003,8 +3004,9 @@ void write_row(const AttentionArgs& a, const Shape& sh, int64_t b, RowIndex ri, 
 // not depend on it). Few query rows per KV head (decoding, short chains) are memory bound: one
 // item then takes every KV head of a sequence, so it streams whole cache rows [Hkv, D] of
 // consecutive positions (each KV head alone would touch a new 4 KiB page per position), and the
-// prefix is split finely for parallelism. Many rows are compute bound: one KV head per item and
-// long splits, which keep the merge scratch small.
+// prefix is split finely for parallelism (run may still cut the heads into groups where the
+// items are fewer than the threads: heads_per_item). Many rows are compute bound: one KV head
+// per item and long splits, which keep the merge scratch small.
 Shape make_shape(const AttentionArgs& a) {
   Shape sh;
   sh.t = a.tree_len;
@@ -3036,11 +3038,26 @@ inline int64_t split_keys_of(const Shape& sh, int64_t prefix) {
   return prefix >= kLongPrefix ? sh.long_split_keys : sh.split_keys;
 }
 
+// KV heads per work item where the items that take every KV head of a sequence (make_shape's
+// grouped shapes) would be fewer than the threads (few sequences with short prefixes: at B = 1 a
+// prefix of at most 256 keys made one item, and the other threads waited): the fewest head
+// groups that give every thread an item, as far as the KV heads divide. Every path computes a
+// head's rows the same in any group (the splits, which change the sums, stay a function of the
+// shapes), so this choice may follow the thread count and the other sequences without changing
+// a result; test_head_groups_leave_results_unchanged holds it to that, bit for bit.
+int64_t heads_per_item(const Shape& sh, int64_t kv_heads, int64_t items) {
+  const int64_t threads = num_threads();
+  if (sh.heads != kv_heads || items >= threads) return sh.heads;
+  for (int64_t groups = 2; groups < kv_heads; ++groups) {
+    if (kv_heads % groups == 0 && items * groups >= threads) return kv_heads / groups;
+  }
+  return 1;
+}
+
 template <class K, AttnDType DT>
 void run(const AttentionArgs& a) {
   Shape sh = make_shape(a);
   const int64_t batch = a.batch;
-  const int64_t groups = a.kv_heads / sh.heads;
 
   int64_t splits = 1;
   for (int64_t b = 0; b < batch; ++b) {
@@ -3055,6 +3072,8 @@ void run(const AttentionArgs& a) {
   // Every sequence uses the same number of splits so work items index simply; a sequence with
   // fewer splits of its own gets empty leading splits, which merge as the identity.
   sh.splits = splits;
+  sh.heads = heads_per_item(sh, a.kv_heads, batch * (a.kv_heads / sh.heads) * splits);
+  const int64_t groups = a.kv_heads / sh.heads;
   const int64_t items = batch * groups * splits;
   const int64_t item_rows = sh.heads * sh.rows;
   const int64_t part_stride = item_rows * (sh.d + 1);

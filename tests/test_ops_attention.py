@@ -333,6 +333,43 @@ def test_decode_results_do_not_depend_on_thread_count(t, dtype):
         assert torch.equal(lse, outs[0][1])
 
 
+# Few sequences with short prefixes make fewer items than threads where an item takes every KV
+# head (T x Hq <= 128): the heads are then cut into groups, as many as the KV heads divide into
+# for the threads (8 into 2, 4 or 8 groups; 6 into 2, 3 or 6; 3 into 3). One thread takes the
+# whole item, so every other count must reproduce its bits, with and without a tree.
+HEAD_GROUP_CASES = [  # (Hq, Hkv, D, prefixes)
+    (32, 8, 128, [0]),
+    (32, 8, 64, [200]),
+    (12, 6, 96, [256]),
+    (6, 3, 64, [37]),
+    (16, 8, 128, [100, 5]),
+]
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_groups_leave_results_unchanged(isa, t, dtype):
+    mode = specdecode.get_threading()["mode"]
+    try:
+        for i, (hq, hkv, d, prefixes) in enumerate(HEAD_GROUP_CASES):
+            q, k, v, lens, gen = make_case(len(prefixes), t, hq, hkv, d, prefixes, dtype, seed=i)
+            mask = ops.tree_info(random_parents(len(prefixes), t, gen)).mask if t > 1 else None
+            outs = []
+            for threading in ("pool", "auto"):
+                specdecode.set_threading(threading)
+                for n in (1, 2, 3, 4, 8):
+                    specdecode.set_num_threads(n)
+                    outs.append(ops.tree_attention(q, k, v, lens, mask, return_lse=True))
+            for n, (out, lse) in enumerate(outs[1:], 1):
+                assert torch.equal(out, outs[0][0]), (hq, hkv, prefixes, n)
+                assert torch.equal(lse, outs[0][1]), (hq, hkv, prefixes, n)
+            ref, _ = tree_attention_ref(q, k, v, lens, mask)
+            assert (outs[0][0].double() - ref).abs().max().item() <= TOL[dtype]
+    finally:
+        specdecode.set_num_threads(0)
+        specdecode.set_threading(mode)
+
+
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_does_not_depend_on_the_rest_of_the_batch(isa, t, dtype):
