@@ -336,17 +336,20 @@ def test_decode_results_do_not_depend_on_thread_count(t, dtype):
 # Few sequences with short prefixes make fewer items than threads where an item takes every KV
 # head (T x Hq <= 128): the heads are then cut into groups, as many as the KV heads divide into
 # for the threads (8 into 2, 4 or 8 groups; 6 into 2, 3 or 6; 3 into 3). One thread takes the
-# whole item, so every other count must reproduce its bits, with and without a tree.
+# whole item, so every other count must reproduce its bits, with and without a tree, also with
+# one to four rows per KV head (no GQA, T = 1 to 4).
 HEAD_GROUP_CASES = [  # (Hq, Hkv, D, prefixes)
     (32, 8, 128, [0]),
     (32, 8, 64, [200]),
     (12, 6, 96, [256]),
     (6, 3, 64, [37]),
     (16, 8, 128, [100, 5]),
+    (16, 16, 64, [128]),
+    (10, 10, 80, [60]),
 ]
 
 
-@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_groups_leave_results_unchanged(isa, t, dtype):
     mode = specdecode.get_threading()["mode"]
