@@ -94,8 +94,10 @@ void tree_attention(py::handle q_obj, py::handle k_obj, py::handle v_obj,
   prefix_lens.expect_same_device(q);
   std::optional<Array> mask = optional_array(mask_obj, "tree_mask");
   if (mask) {
-    mask->expect_dtype({DType::kUInt32}).expect_contiguous().expect_same_device(q);
+    // The shape before the layout: a slice of the wrong rows is reported as the wrong shape.
+    mask->expect_dtype({DType::kUInt32});
     mask->expect_shape({batch, t, mask_words(static_cast<int>(t))}, {"B", "T", "ceil(T/32)"});
+    mask->expect_contiguous().expect_same_device(q);
   }
   Array out = Array::from_python(out_obj, "out", true);
   out.expect_same_dtype(q)

@@ -692,7 +692,12 @@ def _valid():
             ValueError,
             "tree_mask",
         ),
-        (lambda a: a.update(mask=a["mask"][:, :3]), ValueError, "tree_mask"),
+        (lambda a: a.update(mask=a["mask"][:, :3]), ValueError, "tree_mask: expected shape"),
+        (
+            lambda a: a.update(mask=torch.ones(2, 4, 2, dtype=torch.uint32)[:, :, :1]),
+            ValueError,
+            "tree_mask: must be contiguous",
+        ),
         (lambda a: a.update(k=a["k"].transpose(1, 3)), ValueError, "k_cache"),
         (lambda a: a.update(q=a["q"][:, :0]), ValueError, "T"),
         (lambda a: a.update(q=[[1.0]]), TypeError, "q"),
