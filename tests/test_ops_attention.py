@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -312,22 +313,31 @@ def test_rounded_weights_stay_within_sdpa_error(isa_name, hq, hkv, t):
         _C.set_attention_isa("")
 
 
+def results_per_thread_count(call, counts):
+    """``call()`` on our pool, then on torch's OpenMP team where it has one, at each thread count
+    of ``counts`` (the first: one thread on the pool); the threading restored after."""
+    mode = specdecode.get_threading()["mode"]
+    try:
+        outs = []
+        for threading in ("pool", "auto"):
+            specdecode.set_threading(threading)
+            for n in counts:
+                specdecode.set_num_threads(n)
+                outs.append(call())
+    finally:
+        specdecode.set_num_threads(0)
+        specdecode.set_threading(mode)
+    return outs
+
+
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_results_do_not_depend_on_thread_count(t, dtype):
     # The split of the prefix is a function of the shapes only, never of the thread count.
     q, k, v, lens, _ = make_case(3, t, 32, 8, 128, [1001, 257, 0], dtype, seed=t)
-    mode = specdecode.get_threading()["mode"]
-    try:
-        outs = []
-        for threading in ("pool", "auto"):  # our pool, and torch's OpenMP team where it has one
-            specdecode.set_threading(threading)
-            for n in (1, 2, 5):
-                specdecode.set_num_threads(n)
-                outs.append(ops.tree_attention(q, k, v, lens, return_lse=True))
-    finally:
-        specdecode.set_num_threads(0)
-        specdecode.set_threading(mode)
+    outs = results_per_thread_count(
+        lambda: ops.tree_attention(q, k, v, lens, return_lse=True), (1, 2, 5)
+    )
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0])
         assert torch.equal(lse, outs[0][1])
@@ -352,25 +362,16 @@ HEAD_GROUP_CASES = [  # (Hq, Hkv, D, prefixes)
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_groups_leave_results_unchanged(isa, t, dtype):
-    mode = specdecode.get_threading()["mode"]
-    try:
-        for i, (hq, hkv, d, prefixes) in enumerate(HEAD_GROUP_CASES):
-            q, k, v, lens, gen = make_case(len(prefixes), t, hq, hkv, d, prefixes, dtype, seed=i)
-            mask = ops.tree_info(random_parents(len(prefixes), t, gen)).mask if t > 1 else None
-            outs = []
-            for threading in ("pool", "auto"):
-                specdecode.set_threading(threading)
-                for n in (1, 2, 3, 4, 8):
-                    specdecode.set_num_threads(n)
-                    outs.append(ops.tree_attention(q, k, v, lens, mask, return_lse=True))
-            for n, (out, lse) in enumerate(outs[1:], 1):
-                assert torch.equal(out, outs[0][0]), (hq, hkv, prefixes, n)
-                assert torch.equal(lse, outs[0][1]), (hq, hkv, prefixes, n)
-            ref, _ = tree_attention_ref(q, k, v, lens, mask)
-            assert (outs[0][0].double() - ref).abs().max().item() <= TOL[dtype]
-    finally:
-        specdecode.set_num_threads(0)
-        specdecode.set_threading(mode)
+    for i, (hq, hkv, d, prefixes) in enumerate(HEAD_GROUP_CASES):
+        q, k, v, lens, gen = make_case(len(prefixes), t, hq, hkv, d, prefixes, dtype, seed=i)
+        mask = ops.tree_info(random_parents(len(prefixes), t, gen)).mask if t > 1 else None
+        call = functools.partial(ops.tree_attention, q, k, v, lens, mask, return_lse=True)
+        outs = results_per_thread_count(call, (1, 2, 3, 4, 8))
+        for n, (out, lse) in enumerate(outs[1:], 1):
+            assert torch.equal(out, outs[0][0]), (hq, hkv, prefixes, n)
+            assert torch.equal(lse, outs[0][1]), (hq, hkv, prefixes, n)
+        ref, _ = tree_attention_ref(q, k, v, lens, mask)
+        assert (outs[0][0].double() - ref).abs().max().item() <= TOL[dtype]
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
