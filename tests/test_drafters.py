@@ -182,6 +182,43 @@ def test_no_drafter_proposes_the_root_alone():
         d.propose([0])
 
 
+def _drafter_of(kind: str):
+    from specdecode.drafters import ModelDrafter, NoDrafter
+
+    if kind == "none":
+        return NoDrafter(max_sequences=8)
+    if kind == "cacheback":
+        return CachebackDrafter(max_sequences=8)
+    return ModelDrafter(_tiny(2), k=2)
+
+
+@pytest.mark.parametrize("kind", ["none", "cacheback", "model"])
+def test_a_refused_start_opens_no_slot(kind):
+    drafter = _drafter_of(kind)
+    drafter.start([0, 4], [[1, 2], [3]])  # a model drafter's cache takes rows 0-4 here
+    drafter.release([4])
+    refused = [
+        (([3, 3], [[1], [2]]), ValueError, "appears twice"),
+        (([-1], [[1]]), ValueError, "slots in \\[0, "),
+        (([2, 1.5], [[1], [2]]), TypeError, "sequence of ints"),
+        (([2, 0], [[1], [2]]), ValueError, "slot 0 is already open"),
+        (([2, 3], [[1], []]), ValueError, "prompt 1 is empty"),
+        (([2, 3], [[1]]), ValueError, "expected 2 rows"),
+        (([2, 3], [[1], [-4]]), ValueError, "outside \\[0, 2\\*\\*31\\)"),
+    ]
+    if kind == "model":  # the only one of the three with a vocabulary (29 ids)
+        refused.append((([2, 3], [[1], [29]]), ValueError, "prompt 1 is outside the drafter's"))
+    for (slots, prompts), error, match in refused:
+        with pytest.raises(error, match=match):
+            drafter.start(slots, prompts)
+    # Every check ran before the drafter changed anything: slots 2 and 3 (and 3 of the first,
+    # twice-named call) are still free, and slot 0 still holds its own sequence.
+    drafter.start([3, 2], [[5], [6, 7]])
+    tree = drafter.propose([0, 2, 3])
+    assert tree.tokens[:, 0].tolist() == [2, 7, 5]
+    drafter.release([0, 2, 3])
+
+
 def test_model_drafter_greedy_chain_is_the_draft_models_greedy_continuation():
     import torch
     from reference_engine import greedy_reference

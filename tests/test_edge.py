@@ -438,6 +438,12 @@ def test_bad_arguments(draft):
             drafter.start([2], [[1, 2]])
         with pytest.raises(ValueError, match="empty"):
             drafter.start([1], [[]])
+        with pytest.raises(ValueError, match="appears twice"):
+            drafter.start([1, 1], [[1], [2]])
+        with pytest.raises(ValueError, match="drafter's vocabulary \\[0, 61\\)"):
+            drafter.start([1], [[61]])
+        drafter.start([1], [[3]])  # checked before any worker heard of it: slot 1 is free
+        assert drafter.stats.sequences == [2]
     with pytest.raises(ValueError, match="authkey"):
         WorkerListener(("127.0.0.1", 0), b"short")
     with pytest.raises(TypeError, match="no start"):

@@ -362,6 +362,8 @@ def test_the_drafter_checks_its_input(target):
         drafter.start([1], [[]])
     with pytest.raises(ValueError, match="vocabulary"):
         drafter.start([1], [[V]])
+    with pytest.raises(ValueError, match="appears twice"):
+        drafter.start([1, 1], [[1], [2]])
     with pytest.raises(ValueError, match=r"\[1, P, H\]"):
         drafter.follow([0], [torch.zeros(2, 2, H)] * 3, [2])
     with pytest.raises(ValueError, match="lengths"):

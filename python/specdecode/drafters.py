@@ -3,7 +3,8 @@
 The engine drives a drafter through a small protocol, one call per decoding step for the whole
 batch. Sequences live in *slots* (``0 <= slot < max_sequences``) for as long as they decode:
 
-* :meth:`Drafter.start` opens slots for new sequences and warms the drafter up with their prompts;
+* :meth:`Drafter.start` opens slots for new sequences and warms the drafter up with their prompts
+  (a call it refuses, for a slot named twice or already open or an empty prompt, opens none);
 * :meth:`Drafter.propose` returns a draft tree per sequence (:class:`~specdecode.ops.DraftTree`,
   root = the last committed token);
 * :meth:`Drafter.observe` hands over the tokens each sequence committed in the step (the accepted
@@ -32,7 +33,16 @@ nothing.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import (
+    Any,
+    Callable,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+    Union,
+    runtime_checkable,
+)
 
 import numpy as np
 import torch
@@ -89,6 +99,38 @@ def _token_rows(rows: Sequence[Any], name: str, batch: int) -> list[np.ndarray]:
             raise ValueError(f"{name}: row {i} has token ids outside [0, 2**31)")
         out.append(arr.astype(np.int32, copy=False))
     return out
+
+
+# Slots any drafter can hold: they cross to native code as int32.
+_INT32_SLOTS = int(np.iinfo(np.int32).max)
+
+
+def _new_slots(
+    slots: Sequence[int] | Any,
+    prompts: Sequence[Any],
+    is_open: Callable[[int], bool],
+    vocab: Optional[int] = None,
+    max_sequences: int = _INT32_SLOTS,
+) -> tuple[list[int], list[np.ndarray]]:
+    """The slots and prompts of a drafter's ``start``, checked in full before the drafter
+    changes anything, so a bad call opens no slot: distinct ints in ``[0, max_sequences)`` that
+    are not open yet, and one prompt per slot with at least one token (the root of the first
+    draft), every id below ``vocab`` where the drafter has one."""
+    slots_l = _slots_array(slots, max_sequences).tolist()
+    rows = _token_rows(prompts, "prompts", len(slots_l))
+    if len(set(slots_l)) != len(slots_l):
+        raise ValueError("slots: a slot appears twice")
+    for i, (slot, row) in enumerate(zip(slots_l, rows)):
+        if is_open(slot):
+            raise ValueError(f"slots: slot {slot} is already open (release it)")
+        if row.size == 0:
+            raise ValueError(f"prompts: prompt {i} is empty; a sequence needs a first token")
+        if vocab is not None and int(row.max()) >= vocab:
+            raise ValueError(
+                f"prompts: token id {int(row.max())} of prompt {i} is outside the drafter's "
+                f"vocabulary [0, {vocab})"
+            )
+    return slots_l, rows
 
 
 class CachebackDrafter:
@@ -356,13 +398,10 @@ class NoDrafter:
         self._root: dict[int, int] = {}
 
     def start(self, slots: Sequence[int], prompts: Sequence[Any]) -> None:
-        slots_l = [int(s) for s in slots]
-        rows = _token_rows(prompts, "prompts", len(slots_l))
+        slots_l, rows = _new_slots(
+            slots, prompts, self._root.__contains__, max_sequences=self.max_sequences
+        )
         for slot, row in zip(slots_l, rows):
-            if slot in self._root:
-                raise ValueError(f"slots: slot {slot} is already open (release it)")
-            if row.size == 0:
-                raise ValueError("prompts: a prompt is empty; a sequence needs a first token")
             self._root[slot] = int(row[-1])
 
     def propose(self, slots: Sequence[int]) -> DraftTree:
@@ -671,20 +710,7 @@ class ModelDrafter(SlotSampling):
 
     def start(self, slots: Sequence[int], prompts: Sequence[Any]) -> None:
         """Opens slots with their prompts (fed lazily, with the first draft)."""
-        slots_l = [int(s) for s in slots]
-        rows = _token_rows(prompts, "prompts", len(slots_l))
-        if len(set(slots_l)) != len(slots_l) or any(s < 0 for s in slots_l):
-            raise ValueError("slots: expected distinct slots >= 0")
-        for slot, row in zip(slots_l, rows):
-            if slot in self._seq:
-                raise ValueError(f"slots: slot {slot} is already open (release it)")
-            if row.size == 0:
-                raise ValueError("prompts: a prompt is empty; a sequence needs a first token")
-            if row.size and int(row.max()) >= self.vocab_size:
-                raise ValueError(
-                    f"prompts: token id {int(row.max())} is outside the drafter's vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
+        slots_l, rows = _new_slots(slots, prompts, self._seq.__contains__, self.vocab_size)
         need = max(slots_l, default=-1) + 1
         if self.cache is None or (not self._seq and self.cache.batch_size < need):
             self.cache = self.model.new_cache(max(need, 1), self.max_length)

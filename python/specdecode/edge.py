@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .drafters import SampledDraftTree, _host_int32, _token_rows
+from .drafters import SampledDraftTree, _host_int32, _new_slots, _token_rows
 from .ops import MAX_TREE_NODES, DraftTree
 
 __all__ = [
@@ -685,13 +685,7 @@ class RemoteDrafter:
 
     def start(self, slots: Sequence[int], prompts: Sequence[Any]) -> None:
         """Places the sequences on workers and sends each worker its prompts."""
-        slots_l = [int(s) for s in slots]
-        rows = _token_rows(prompts, "prompts", len(slots_l))
-        for s, row in zip(slots_l, rows):
-            if s in self._worker:
-                raise ValueError(f"slots: slot {s} is already open (release it)")
-            if row.size == 0:
-                raise ValueError("prompts: a prompt is empty; a sequence needs a first token")
+        slots_l, rows = _new_slots(slots, prompts, self._worker.__contains__, self._vocab)
         for s, w in zip(slots_l, self._place(slots_l)):
             self._worker[s] = w
             self.stats.sequences[w] += 1

@@ -57,7 +57,7 @@ from ._distill import (
     target_pass,
     train,
 )
-from .drafters import SampledDraftTree, SlotSampling, _draft_seed, _token_rows
+from .drafters import SampledDraftTree, SlotSampling, _draft_seed, _new_slots, _token_rows
 from .models.transformer import MLP, RMSNorm, _apply_rope, _mm_rows, _pack_weight
 from .ops import DraftTree
 
@@ -783,20 +783,7 @@ class SpecFormerDrafter(SlotSampling):
 
     def start(self, slots: Sequence[int], prompts: Sequence[Any]) -> None:
         """Opens slots with their prompts (the head reads their states in :meth:`follow`)."""
-        slots_l = [int(s) for s in slots]
-        rows = _token_rows(prompts, "prompts", len(slots_l))
-        if len(set(slots_l)) != len(slots_l) or any(s < 0 for s in slots_l):
-            raise ValueError("slots: expected distinct slots >= 0")
-        for slot, row in zip(slots_l, rows):
-            if slot in self._seq:
-                raise ValueError(f"slots: slot {slot} is already open (release it)")
-            if row.size == 0:
-                raise ValueError("prompts: a prompt is empty; a sequence needs a first token")
-            if int(row.max()) >= self._vocab:
-                raise ValueError(
-                    f"prompts: token id {int(row.max())} is outside the vocabulary "
-                    f"[0, {self._vocab})"
-                )
+        slots_l, rows = _new_slots(slots, prompts, self._seq.__contains__, self._vocab)
         for slot, row in zip(slots_l, rows):
             self._seq[slot] = row.tolist()
             self._length[slot] = 0
