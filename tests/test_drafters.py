@@ -193,7 +193,7 @@ def _drafter_of(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["none", "cacheback", "model"])
-def test_a_refused_start_opens_no_slot(kind):
+def test_a_refused_call_changes_no_slot(kind):
     drafter = _drafter_of(kind)
     drafter.start([0, 4], [[1, 2], [3]])  # a model drafter's cache takes rows 0-4 here
     drafter.release([4])
@@ -211,8 +211,20 @@ def test_a_refused_start_opens_no_slot(kind):
     for (slots, prompts), error, match in refused:
         with pytest.raises(error, match=match):
             drafter.start(slots, prompts)
+    # The calls on open slots, refused for a slot named twice or one not open (5).
+    for call in (
+        lambda: drafter.observe([0, 0], [[4], [5]]),
+        lambda: drafter.observe([0, 5], [[4], [5]]),
+        lambda: drafter.release([0, 0]),
+        lambda: drafter.release([0, 5]),
+        lambda: drafter.propose([0, 0]),
+        lambda: drafter.propose([0, 5]),
+    ):
+        with pytest.raises(ValueError, match="appears twice|slot 5 is not open"):
+            call()
     # Every check ran before the drafter changed anything: slots 2 and 3 (and 3 of the first,
-    # twice-named call) are still free, and slot 0 still holds its own sequence.
+    # twice-named call) are still free, and slot 0 still holds its own sequence, neither
+    # observed (its root would be 4 or 5) nor released.
     drafter.start([3, 2], [[5], [6, 7]])
     tree = drafter.propose([0, 2, 3])
     assert tree.tokens[:, 0].tolist() == [2, 7, 5]

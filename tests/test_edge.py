@@ -442,8 +442,13 @@ def test_bad_arguments(draft):
             drafter.start([1, 1], [[1], [2]])
         with pytest.raises(ValueError, match="drafter's vocabulary \\[0, 61\\)"):
             drafter.start([1], [[61]])
+        drafter.release([0])  # (the worker's draft model sized its cache for slot 0 alone)
         drafter.start([1], [[3]])  # checked before any worker heard of it: slot 1 is free
-        assert drafter.stats.sequences == [2]
+        with pytest.raises(ValueError, match="appears twice"):
+            drafter.release([1, 1])
+        with pytest.raises(ValueError, match="slot 0 is not open"):
+            drafter.observe([1, 0], [[4], [5]])
+        assert drafter.propose([1]).tokens[:, 0].tolist() == [3]  # neither released nor observed
     with pytest.raises(ValueError, match="authkey"):
         WorkerListener(("127.0.0.1", 0), b"short")
     with pytest.raises(TypeError, match="no start"):

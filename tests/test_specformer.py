@@ -364,6 +364,11 @@ def test_the_drafter_checks_its_input(target):
         drafter.start([1], [[V]])
     with pytest.raises(ValueError, match="appears twice"):
         drafter.start([1, 1], [[1], [2]])
+    with pytest.raises(ValueError, match="appears twice"):
+        drafter.observe([0, 0], [[4], [5]])
+    with pytest.raises(ValueError, match="slot 1 is not open"):
+        drafter.release([0, 1])
+    assert drafter._seq == {0: [1, 2, 3]}  # neither observed nor released
     with pytest.raises(ValueError, match=r"\[1, P, H\]"):
         drafter.follow([0], [torch.zeros(2, 2, H)] * 3, [2])
     with pytest.raises(ValueError, match="lengths"):

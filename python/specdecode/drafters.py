@@ -133,6 +133,18 @@ def _new_slots(
     return slots_l, rows
 
 
+def _open_slots(slots: Sequence[int] | Any, is_open: Callable[[int], bool]) -> list[int]:
+    """The slots of a call on open sequences (propose, observe, release, ...), checked in full
+    before the drafter changes anything: distinct ints, every one open."""
+    slots_l = _slots_array(slots, _INT32_SLOTS).tolist()
+    if len(set(slots_l)) != len(slots_l):
+        raise ValueError("slots: a slot appears twice")
+    for slot in slots_l:
+        if not is_open(slot):
+            raise ValueError(f"slots: slot {slot} is not open (call start first)")
+    return slots_l
+
+
 class CachebackDrafter:
     """Cacheback drafting: a draft tree per sequence from its own n-gram LRU tables.
 
@@ -405,10 +417,7 @@ class NoDrafter:
             self._root[slot] = int(row[-1])
 
     def propose(self, slots: Sequence[int]) -> DraftTree:
-        slots_l = [int(s) for s in slots]
-        missing = [s for s in slots_l if s not in self._root]
-        if missing:
-            raise ValueError(f"slots: slot {missing[0]} is not open (call start first)")
+        slots_l = _open_slots(slots, self._root.__contains__)
         batch = len(slots_l)
         tokens = torch.tensor([[self._root[s]] for s in slots_l], dtype=torch.int32)
         return DraftTree(
@@ -418,17 +427,15 @@ class NoDrafter:
         )
 
     def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
-        rows = _token_rows(committed, "committed", len(slots))
-        for slot, row in zip(slots, rows):
-            if int(slot) not in self._root:
-                raise ValueError(f"slots: slot {int(slot)} is not open (call start first)")
+        slots_l = _open_slots(slots, self._root.__contains__)
+        rows = _token_rows(committed, "committed", len(slots_l))
+        for slot, row in zip(slots_l, rows):
             if row.size:
-                self._root[int(slot)] = int(row[-1])
+                self._root[slot] = int(row[-1])
 
     def release(self, slots: Sequence[int]) -> None:
-        for slot in slots:
-            if self._root.pop(int(slot), None) is None:
-                raise ValueError(f"slots: slot {int(slot)} is not open")
+        for slot in _open_slots(slots, self._root.__contains__):
+            del self._root[slot]
 
 
 # ---- a draft model ------------------------------------------------------------------------------
@@ -509,10 +516,7 @@ class SlotSampling:
         seed: Sequence[int],
     ) -> None:
         """Sets each slot's sampling parameters (the engine passes the target's)."""
-        for i, slot in enumerate(slots):
-            slot = int(slot)
-            if slot not in self._seq:
-                raise ValueError(f"slots: slot {slot} is not open (call start first)")
+        for i, slot in enumerate(_open_slots(slots, self._seq.__contains__)):
             self._temperature[slot] = float(temperature[i])
             self._top_k[slot] = int(top_k[i])
             self._top_p[slot] = float(top_p[i])
@@ -681,10 +685,7 @@ class ModelDrafter(SlotSampling):
         """
         if self.steering is None:
             raise ValueError("steer: this drafter has no steering (ModelDrafter(steering=...))")
-        slots_l = [int(s) for s in slots]
-        for slot in slots_l:
-            if slot not in self._seq:
-                raise ValueError(f"slots: slot {slot} is not open (call start first)")
+        slots_l = _open_slots(slots, self._seq.__contains__)
         if any(h.dim() != 2 or h.shape[0] != len(slots_l) for h in hidden):
             raise ValueError(
                 f"hidden: expected [{len(slots_l)}, Ht] per target layer, got "
@@ -731,12 +732,10 @@ class ModelDrafter(SlotSampling):
 
     def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
         """Appends committed tokens and truncates the cache to what still matches them."""
-        rows = _token_rows(committed, "committed", len(slots))
+        slots_l = _open_slots(slots, self._seq.__contains__)
+        rows = _token_rows(committed, "committed", len(slots_l))
         lengths = self.cache.lengths.to("cpu", torch.int64).clone()
-        for slot, row in zip(slots, rows):
-            slot = int(slot)
-            if slot not in self._seq:
-                raise ValueError(f"slots: slot {slot} is not open (call start first)")
+        for slot, row in zip(slots_l, rows):
             seq = self._seq[slot]
             seq.extend(row.tolist())
             fed = self._fed[slot]
@@ -749,11 +748,10 @@ class ModelDrafter(SlotSampling):
         self.cache.truncate(lengths)
 
     def release(self, slots: Sequence[int]) -> None:
+        slots_l = _open_slots(slots, self._seq.__contains__)
         lengths = self.cache.lengths.to("cpu", torch.int64).clone() if self.cache else None
-        for slot in slots:
-            slot = int(slot)
-            if self._seq.pop(slot, None) is None:
-                raise ValueError(f"slots: slot {slot} is not open")
+        for slot in slots_l:
+            del self._seq[slot]
             del self._fed[slot]
             if lengths is not None:
                 lengths[slot] = 0
@@ -762,10 +760,7 @@ class ModelDrafter(SlotSampling):
 
     def propose(self, slots: Sequence[int]) -> Union[DraftTree, SampledDraftTree]:
         """Drafts a chain or a tree per slot (see the class docstring)."""
-        slots_l = [int(s) for s in slots]
-        for slot in slots_l:
-            if slot not in self._seq:
-                raise ValueError(f"slots: slot {slot} is not open (call start first)")
+        slots_l = _open_slots(slots, self._seq.__contains__)
         if not slots_l:
             empty = torch.zeros((0, 1), dtype=torch.int32)
             return DraftTree(empty, empty.clone(), torch.zeros(0, dtype=torch.int32))

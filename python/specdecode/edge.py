@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .drafters import SampledDraftTree, _host_int32, _new_slots, _token_rows
+from .drafters import SampledDraftTree, _host_int32, _new_slots, _open_slots, _token_rows
 from .ops import MAX_TREE_NODES, DraftTree
 
 __all__ = [
@@ -675,11 +675,9 @@ class RemoteDrafter:
         return out
 
     def _by_worker(self, slots: Sequence[int]) -> dict[int, list[int]]:
-        """Positions in ``slots`` per worker, in order."""
+        """Positions in ``slots`` (open, from _open_slots) per worker, in order."""
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(slots):
-            if s not in self._worker:
-                raise ValueError(f"slots: slot {s} is not open (call start first)")
             groups.setdefault(self._worker[s], []).append(i)
         return groups
 
@@ -713,7 +711,7 @@ class RemoteDrafter:
 
     def configure(self, slots: Sequence[int], **sampling: Any) -> None:
         """Hands the sequences' sampling parameters to the workers whose drafters take them."""
-        slots_l = [int(s) for s in slots]
+        slots_l = _open_slots(slots, self._worker.__contains__)
         for w, idx in self._by_worker(slots_l).items():
             if not self.infos[w]["configurable"]:
                 continue
@@ -746,7 +744,7 @@ class RemoteDrafter:
         hidden: Sequence[torch.Tensor],
         lengths: Optional[Sequence[int]],
     ) -> None:
-        slots_l = [int(s) for s in slots]
+        slots_l = _open_slots(slots, self._worker.__contains__)
         # In the target's own dtype (a bfloat16 state is 2 bytes on the wire, not 4).
         arrays = [_state_array(h) for h in hidden]
         counts = None if lengths is None else [int(n) for n in lengths]
@@ -762,7 +760,7 @@ class RemoteDrafter:
 
     def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
         """Sends each worker its sequences' committed tokens (no answer is awaited)."""
-        slots_l = [int(s) for s in slots]
+        slots_l = _open_slots(slots, self._worker.__contains__)
         rows = _token_rows(committed, "committed", len(slots_l))
         for w, idx in self._by_worker(slots_l).items():
             self._post(w, "observe", ([slots_l[i] for i in idx], [rows[i] for i in idx]))
@@ -772,8 +770,9 @@ class RemoteDrafter:
 
     def release(self, slots: Sequence[int]) -> None:
         """Closes the slots on their workers."""
-        slots_l = [int(s) for s in slots]
-        groups = self._by_worker(slots_l)  # a slot not open raises before anything changes
+        # A slot twice or not open raises here, before anything changes.
+        slots_l = _open_slots(slots, self._worker.__contains__)
+        groups = self._by_worker(slots_l)
         try:
             for w, idx in groups.items():
                 self._post(w, "release", [slots_l[i] for i in idx])
@@ -793,7 +792,7 @@ class RemoteDrafter:
             a worker's sampled drafts: float32 ``draft_probs`` ``[B, N, V]`` and bool
             ``draft_deterministic`` ``[B]``.
         """
-        slots_l = [int(s) for s in slots]
+        slots_l = _open_slots(slots, self._worker.__contains__)
         groups = self._by_worker(slots_l)
         asked = {}  # worker -> (request number, rows asked for)
         for w, idx in groups.items():

@@ -57,7 +57,14 @@ from ._distill import (
     target_pass,
     train,
 )
-from .drafters import SampledDraftTree, SlotSampling, _draft_seed, _new_slots, _token_rows
+from .drafters import (
+    SampledDraftTree,
+    SlotSampling,
+    _draft_seed,
+    _new_slots,
+    _open_slots,
+    _token_rows,
+)
 from .models.transformer import MLP, RMSNorm, _apply_rope, _mm_rows, _pack_weight
 from .ops import DraftTree
 
@@ -791,23 +798,19 @@ class SpecFormerDrafter(SlotSampling):
 
     def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
         """Appends each slot's committed tokens (its next root is the last of them)."""
-        rows = _token_rows(committed, "committed", len(slots))
-        for slot, row in zip(slots, rows):
-            self._seq[self._open(slot)].extend(row.tolist())
+        slots_l = self._open(slots)
+        rows = _token_rows(committed, "committed", len(slots_l))
+        for slot, row in zip(slots_l, rows):
+            self._seq[slot].extend(row.tolist())
 
     def release(self, slots: Sequence[int]) -> None:
-        for slot in slots:
-            slot = int(slot)
-            if self._seq.pop(slot, None) is None:
-                raise ValueError(f"slots: slot {slot} is not open")
+        for slot in self._open(slots):
+            del self._seq[slot]
             for table in (self._length, self._logits, self._made_for):
                 table.pop(slot, None)
 
-    def _open(self, slot: Any) -> int:
-        slot = int(slot)
-        if slot not in self._seq:
-            raise ValueError(f"slots: slot {slot} is not open (call start first)")
-        return slot
+    def _open(self, slots: Sequence[int]) -> list[int]:
+        return _open_slots(slots, self._seq.__contains__)
 
     # ---- reading the target --------------------------------------------------------------------
 
@@ -843,7 +846,7 @@ class SpecFormerDrafter(SlotSampling):
         lengths : sequence of int
             ``[n]``, each in ``1 .. P``.
         """
-        slots_l = [self._open(s) for s in slots]
+        slots_l = self._open(slots)
         n = len(slots_l)
         if not n:
             return
@@ -917,7 +920,7 @@ class SpecFormerDrafter(SlotSampling):
     def propose(self, slots: Sequence[int]) -> Union[DraftTree, SampledDraftTree]:
         """Drafts a chain or a tree per slot from its stored slot logits (see the class
         docstring)."""
-        slots_l = [self._open(s) for s in slots]
+        slots_l = self._open(slots)
         if not slots_l:
             empty = torch.zeros((0, 1), dtype=torch.int32)
             return DraftTree(empty, empty.clone(), torch.zeros(0, dtype=torch.int32))
