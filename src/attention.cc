@@ -222,6 +222,21 @@ struct GenericKernels {
 // hint, so elsewhere nothing calls it (clang would say it is not needed).
 [[maybe_unused]] SD_FORCE_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
+// Share `part` of `parts` of the `elems` elements at k and of those at v, hinted into L2 line by
+// line in address order, a line of k then the same line of v (the shares are whole lines; the
+// last may be shorter or empty).
+template <class T>
+SD_FORCE_INLINE void hint_shares(const T* k, const T* v, int64_t elems, int part, int parts) {
+  const int64_t bytes = elems * static_cast<int64_t>(sizeof(T));
+  const int64_t share = (bytes / parts + 63) / 64 * 64;
+  const char* kc = reinterpret_cast<const char*>(k);
+  const char* vc = reinterpret_cast<const char*>(v);
+  for (int64_t b = part * share; b < std::min(bytes, (part + 1) * share); b += 64) {
+    prefetch_l2(kc + b);
+    prefetch_l2(vc + b);
+  }
+}
+
 // The keys of an item's next block: key j of KV head h at k + j * rs + h * hs, for j < n (n = 0
 // after the item's last block). They are hinted into L2 apart from the values, which the P V
 // hints, so the keys' transfer overlaps the scores and the values' the P V: the streaming
@@ -2663,6 +2678,9 @@ void amx_key_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k, c
   }
   uint16_t* kpad = reinterpret_cast<uint16_t*>(ws.kt);
   alignas(64) float alpha[kLanes];
+  // The item's key rows (and value rows) lie back to back: its heads are every KV head of the
+  // rows, which are contiguous in the cache.
+  const bool rows_adjacent = hs == d && rs == static_cast<int64_t>(heads) * d;
   amx_configure(kAmxRows);
   for (int64_t j0 = begin; j0 < end; j0 += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, end - j0));
@@ -2679,11 +2697,20 @@ void amx_key_range(const AttentionArgs& a, const Shape& sh, const uint16_t* k, c
     }
     for (int h = 0; h < heads; ++h) {
       const int64_t at = j0 * rs + h * hs;
-      // The head's next block, hinted into L2 before its work here (a burst per head: the
-      // hardware prefetchers do not follow rows Hkv * D apart across pages).
-      for (int j = 0; j < n_next; ++j) {
-        next_k.hint(j, h, row_bytes);
-        hint_next_values(next_v + h * hs, j, rs, row_bytes);
+      // The next block, hinted into L2 in a burst before each head's work here (the hardware
+      // prefetchers do not follow rows Hkv * D apart across pages): where the item's rows are
+      // one span (all KV heads of an unstrided cache), share h of that span in address order,
+      // otherwise head h's own rows. The same lines either way; in address order bf16 T = 2 to
+      // 4 took 0.94-0.97x the time from DRAM (session 46, bench/RESULTS.md). Every second or
+      // fourth line alone, for the hardware to fill in, took 1.12-1.39x; the lane path's
+      // blocks, whose values are hinted during their P V, took 1.09-1.18x in address order.
+      if (rows_adjacent) {
+        hint_shares(k + (j0 + n) * rs, next_v, n_next * rs, h, heads);
+      } else {
+        for (int j = 0; j < n_next; ++j) {
+          next_k.hint(j, h, row_bytes);
+          hint_next_values(next_v + h * hs, j, rs, row_bytes);
+        }
       }
       float* ml = ws.lane_ml + h * 2 * kLanes;
       K::key_scores(ws.qt + static_cast<int64_t>(h) * words * kLanes, k + at, rs, n, d, kpad,
