@@ -2452,8 +2452,8 @@ struct Shape {
   int64_t words;            // mask words per row
   int64_t heads;            // KV heads per work item
   int64_t splits;           // prefix splits per (sequence, head group)
-  int64_t split_keys;       // prefix keys per split (see split_keys_of)
-  int64_t long_split_keys;  // the same for a prefix of at least kLongPrefix keys
+  int64_t split_keys;       // prefix keys per split, the fewest (see split_keys_of)
+  int64_t long_split_keys;  // prefix keys per split, the most
 };
 
 // Row rr of a work item (heads kvh0 ..) is query head h of tree node t.
@@ -3049,20 +3049,29 @@ Shape make_shape(const AttentionArgs& a) {
   return sh;
 }
 
-// A prefix this long is split into longer pieces when its items take every KV head: each item
-// then starts (cold, with nothing hinted yet) a quarter as often. From DRAM, alternating
-// processes (Hq = 32, Hkv = 8, D = 128, B = 1, S = 16384): T = 1, 2 and 4 took 2-16 % less time
-// with 1024-key splits than with 256, B = 2 / S = 8192 bf16 T = 1 10 % less
-// (bench/results/attention_s10_long_splits.txt); a 16384-key prefix still makes 16 items.
-constexpr int64_t kLongPrefix = 8192;
+// A prefix is cut into about this many splits, as long as its splits stay between the shape's
+// fewest and most keys (split_keys_of), and the splits are whole multiples of kSplitUnit keys
+// (an AMX chunk; the 64- and 16-key blocks of the other paths divide it).
+constexpr int64_t kSplitsPerPrefix = 8;
+constexpr int64_t kSplitUnit = 128;
 
 // Rows per chunk of the merge of the splits: each row reads splits * (D + 1) floats.
 constexpr int64_t kMergeGrain = 16;
 
 // Keys per split of a row with this prefix: a function of the row's own prefix only, so a row's
-// result never depends on the other rows of the batch.
+// result never depends on the other rows of the batch. Where items take every KV head (256 to
+// 1024 keys), a longer split starts cold (nothing hinted before its first block) less often and
+// leaves fewer partial rows to merge, while about eight of them still spread a sequence over the
+// threads: 256 keys up to a prefix of 2048, 1024 from 7169 on, between them an eighth of the
+// prefix rounded up to kSplitUnit. From DRAM, alternating processes: 1024-key splits took 2-16 %
+// less time than 256 at B = 1, S = 16384 and 10 % less at B = 2, S = 8192 (session 10,
+// bench/results/attention_s10_long_splits.txt), where the rule was 256 below 8192 keys and 1024
+// from there; this rule took 0.89-0.99x that one's time at S = 2100-6000, B = 1 and 8 (session
+// 46, bench/RESULTS.md).
 inline int64_t split_keys_of(const Shape& sh, int64_t prefix) {
-  return prefix >= kLongPrefix ? sh.long_split_keys : sh.split_keys;
+  const int64_t eighth = (prefix + kSplitsPerPrefix - 1) / kSplitsPerPrefix;
+  const int64_t whole = (eighth + kSplitUnit - 1) / kSplitUnit * kSplitUnit;
+  return std::min(sh.long_split_keys, std::max(sh.split_keys, whole));
 }
 
 // KV heads per work item where the items that take every KV head of a sequence (make_shape's

@@ -388,10 +388,11 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(isa, t, dtype):
     assert_rows_alone_equal(q, k, v, lens, mask, out, lse, range(len(prefixes)))
 
 
-# From 8192 keys a row's prefix is cut into 1024-key splits instead of 256 when an item takes
-# every KV head (few rows per KV head): prefixes on both sides of that edge, a first split of a
-# single key, and short rows beside them in one batch.
-LONG_PREFIXES = [8191, 8192, 8193, 10000, 300, 0]
+# Where an item takes every KV head (few rows per KV head) a row's prefix is cut into about
+# eight splits of 256 to 1024 keys, whole multiples of 128: 256 up to 2048 keys, 384 from 2049,
+# 896 at 7168, 1024 from 7169. Prefixes on both sides of those edges, splits whose first piece is
+# a single key (2049, 8193), and short rows beside them in one batch.
+LONG_PREFIXES = [2048, 2049, 7168, 7169, 8193, 10000, 300, 0]
 
 
 @pytest.mark.parametrize("isa_name", STREAM_ISAS)
@@ -399,12 +400,13 @@ LONG_PREFIXES = [8191, 8192, 8193, 10000, 300, 0]
 @pytest.mark.parametrize("t", [1, 4])
 def test_long_prefix_splits(isa_name, t, dtype):
     assert _C.set_attention_isa(isa_name)
-    q, k, v, lens, gen = make_case(6, t, 8, 2, 64, LONG_PREFIXES, dtype, seed=t)
+    n = len(LONG_PREFIXES)
+    q, k, v, lens, gen = make_case(n, t, 8, 2, 64, LONG_PREFIXES, dtype, seed=t)
     try:
-        mask = ops.tree_info(random_parents(6, t, gen)).mask if t > 1 else None
+        mask = ops.tree_info(random_parents(n, t, gen)).mask if t > 1 else None
         out, lse = check(q, k, v, lens, mask)
         # Each row alone gives the same bits (the split size follows the row's own prefix).
-        assert_rows_alone_equal(q, k, v, lens, mask, out, lse, (0, 1, 3, 4))
+        assert_rows_alone_equal(q, k, v, lens, mask, out, lse, (0, 1, 3, 4, 6))
     finally:
         _C.set_attention_isa("")
 
