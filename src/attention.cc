@@ -3066,8 +3066,8 @@ constexpr int64_t kMergeGrain = 16;
 // prefix rounded up to kSplitUnit. From DRAM, alternating processes: 1024-key splits took 2-16 %
 // less time than 256 at B = 1, S = 16384 and 10 % less at B = 2, S = 8192 (session 10,
 // bench/results/attention_s10_long_splits.txt), where the rule was 256 below 8192 keys and 1024
-// from there; this rule took 0.89-0.99x that one's time at S = 2100-6000, B = 1 and 8 (session
-// 46, bench/RESULTS.md).
+// from there; this rule took 0.86-0.99x that one's time at S = 2100-7500, B = 1 and 8, in all
+// but one of 33 A/B pairs (1.04 once, 0.96 in the next run; session 46, bench/RESULTS.md).
 inline int64_t split_keys_of(const Shape& sh, int64_t prefix) {
   const int64_t eighth = (prefix + kSplitsPerPrefix - 1) / kSplitsPerPrefix;
   const int64_t whole = (eighth + kSplitUnit - 1) / kSplitUnit * kSplitUnit;
