@@ -105,6 +105,24 @@ def _token_rows(rows: Sequence[Any], name: str, batch: int) -> list[np.ndarray]:
 _INT32_SLOTS = int(np.iinfo(np.int32).max)
 
 
+def _checked_slots(
+    slots: Sequence[int] | Any,
+    is_open: Callable[[int], bool],
+    want_open: bool,
+    max_sequences: int = _INT32_SLOTS,
+) -> list[int]:
+    """``slots`` as distinct ints in ``[0, max_sequences)``, each open or each not yet open as
+    ``want_open`` says (the checks of :func:`_new_slots` and :func:`_open_slots`)."""
+    slots_l = _slots_array(slots, max_sequences).tolist()
+    if len(set(slots_l)) != len(slots_l):
+        raise ValueError("slots: a slot appears twice")
+    for slot in slots_l:
+        if is_open(slot) != want_open:
+            state = "not open (call start first)" if want_open else "already open (release it)"
+            raise ValueError(f"slots: slot {slot} is {state}")
+    return slots_l
+
+
 def _new_slots(
     slots: Sequence[int] | Any,
     prompts: Sequence[Any],
@@ -116,13 +134,9 @@ def _new_slots(
     changes anything, so a bad call opens no slot: distinct ints in ``[0, max_sequences)`` that
     are not open yet, and one prompt per slot with at least one token (the root of the first
     draft), every id below ``vocab`` where the drafter has one."""
-    slots_l = _slots_array(slots, max_sequences).tolist()
+    slots_l = _checked_slots(slots, is_open, False, max_sequences)
     rows = _token_rows(prompts, "prompts", len(slots_l))
-    if len(set(slots_l)) != len(slots_l):
-        raise ValueError("slots: a slot appears twice")
-    for i, (slot, row) in enumerate(zip(slots_l, rows)):
-        if is_open(slot):
-            raise ValueError(f"slots: slot {slot} is already open (release it)")
+    for i, row in enumerate(rows):
         if row.size == 0:
             raise ValueError(f"prompts: prompt {i} is empty; a sequence needs a first token")
         if vocab is not None and int(row.max()) >= vocab:
@@ -136,13 +150,7 @@ def _new_slots(
 def _open_slots(slots: Sequence[int] | Any, is_open: Callable[[int], bool]) -> list[int]:
     """The slots of a call on open sequences (propose, observe, release, ...), checked in full
     before the drafter changes anything: distinct ints, every one open."""
-    slots_l = _slots_array(slots, _INT32_SLOTS).tolist()
-    if len(set(slots_l)) != len(slots_l):
-        raise ValueError("slots: a slot appears twice")
-    for slot in slots_l:
-        if not is_open(slot):
-            raise ValueError(f"slots: slot {slot} is not open (call start first)")
-    return slots_l
+    return _checked_slots(slots, is_open, True)
 
 
 class CachebackDrafter:

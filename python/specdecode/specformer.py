@@ -798,19 +798,16 @@ class SpecFormerDrafter(SlotSampling):
 
     def observe(self, slots: Sequence[int], committed: Sequence[Any]) -> None:
         """Appends each slot's committed tokens (its next root is the last of them)."""
-        slots_l = self._open(slots)
+        slots_l = _open_slots(slots, self._seq.__contains__)
         rows = _token_rows(committed, "committed", len(slots_l))
         for slot, row in zip(slots_l, rows):
             self._seq[slot].extend(row.tolist())
 
     def release(self, slots: Sequence[int]) -> None:
-        for slot in self._open(slots):
+        for slot in _open_slots(slots, self._seq.__contains__):
             del self._seq[slot]
             for table in (self._length, self._logits, self._made_for):
                 table.pop(slot, None)
-
-    def _open(self, slots: Sequence[int]) -> list[int]:
-        return _open_slots(slots, self._seq.__contains__)
 
     # ---- reading the target --------------------------------------------------------------------
 
@@ -846,7 +843,7 @@ class SpecFormerDrafter(SlotSampling):
         lengths : sequence of int
             ``[n]``, each in ``1 .. P``.
         """
-        slots_l = self._open(slots)
+        slots_l = _open_slots(slots, self._seq.__contains__)
         n = len(slots_l)
         if not n:
             return
@@ -920,7 +917,7 @@ class SpecFormerDrafter(SlotSampling):
     def propose(self, slots: Sequence[int]) -> Union[DraftTree, SampledDraftTree]:
         """Drafts a chain or a tree per slot from its stored slot logits (see the class
         docstring)."""
-        slots_l = self._open(slots)
+        slots_l = _open_slots(slots, self._seq.__contains__)
         if not slots_l:
             empty = torch.zeros((0, 1), dtype=torch.int32)
             return DraftTree(empty, empty.clone(), torch.zeros(0, dtype=torch.int32))
