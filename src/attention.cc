@@ -1461,21 +1461,35 @@ SD_TARGET_AVX512BF16 void stream_partials_rows_bf16(const float* q, int heads, i
 }
 
 // s[j] = mult * sum_i qt[i] . kp[j][i] over the W bf16 pairs of 8 keys (vdpbf16ps, each pair of
-// key elements broadcast from memory as one 32-bit word).
+// key elements broadcast from memory as one 32-bit word). On ymm (Lanes8) each key's sum runs as
+// two chains, the even and the odd pairs, added at the end, so 16 chains are in flight: on a Zen
+// 4 VM vdpbf16ps takes about 1.7 ns (6 cycles) and issues 4.7 ymm products per ns from 8 chains
+// against 6.8-7.1 from 16 (bench/probes/dp_chains_probe.cc); the bf16 lane path at 8 rows per KV
+// head took 6 % less time with its KV in L3, one thread (session 47, bench/RESULTS.md). Sixteen
+// keys at once would also give 16 chains, but their rows, Hkv * D elements apart, crowd the few
+// L1 sets they map to (1.09-1.12x the time from DRAM in one A/B). zmm products issue 3.4 per ns
+// from 8 chains as from 16, so Lanes16 keeps one chain per key.
 template <int W, class L>
 SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_dots_bf16(const float* qt, const uint16_t* const* kp,
                                                          float mult, typename L::V* s) {
-  typename L::V acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = L::zero();
-  for (int i = 0; i < W; ++i) {
-    for (int j = 0; j < 8; ++j) {
-      uint32_t w;
-      std::memcpy(&w, kp[j] + 2 * i, sizeof(w));
-      acc[j] = L::dp_pair(acc[j], qt + L::kW * i, w);
+  constexpr int kChains = L::kW == 8 && W % 2 == 0 ? 2 : 1;
+  typename L::V acc[kChains][8];
+  for (int c = 0; c < kChains; ++c) {
+    for (int j = 0; j < 8; ++j) acc[c][j] = L::zero();
+  }
+  for (int i = 0; i < W; i += kChains) {
+    for (int c = 0; c < kChains; ++c) {
+      for (int j = 0; j < 8; ++j) {
+        uint32_t w;
+        std::memcpy(&w, kp[j] + 2 * (i + c), sizeof(w));
+        acc[c][j] = L::dp_pair(acc[c][j], qt + L::kW * (i + c), w);
+      }
     }
   }
   const typename L::V m = L::set1(mult);
-  for (int j = 0; j < 8; ++j) s[j] = L::mul(acc[j], m);
+  for (int j = 0; j < 8; ++j) {
+    s[j] = L::mul(kChains == 2 ? L::add(acc[0][j], acc[kChains - 1][j]) : acc[0][j], m);
+  }
 }
 
 // As lane_scores_f32 on raw bf16 keys and pair words of the query (D / 2 per row).
