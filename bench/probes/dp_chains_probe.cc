@@ -37,66 +37,50 @@ __attribute__((noinline)) double clock_ghz(long trips) {
   return 8.0 * static_cast<double>(trips) / seconds_since(t0) / 1e9;
 }
 
-// Seconds per product of N chains of vdpbf16ps on ymm.
-template <int N>
-__attribute__((target("avx512f,avx512bf16,avx512vl"), noinline)) double dp_ymm(long iters) {
-  __m256 acc[N];
-  for (int i = 0; i < N; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i));
-  __m256bh a = (__m256bh)_mm256_set1_epi32(0x3f803f80);
-  const __m256bh b = a;
+#define SD_PROBE_TARGET __attribute__((target("avx512f,avx512bf16,avx512vl")))
+
+// The three products, each as acc = product(acc, a): a vector type V, the operand, a chain's
+// start and a lane of the result (to keep the chains live).
+struct DpYmm {
+  using V = __m256;
+  using A = __m256bh;
+  SD_PROBE_TARGET static A operand() { return (A)_mm256_set1_epi32(0x3f803f80); }
+  SD_PROBE_TARGET static V start(int i) { return _mm256_set1_ps(static_cast<float>(i)); }
+  SD_PROBE_TARGET static V step(V acc, A a) { return _mm256_dpbf16_ps(acc, a, a); }
+  SD_PROBE_TARGET static float lane(V x) { return _mm256_cvtss_f32(x); }
+};
+struct DpZmm {
+  using V = __m512;
+  using A = __m512bh;
+  SD_PROBE_TARGET static A operand() { return (A)_mm512_set1_epi32(0x3f803f80); }
+  SD_PROBE_TARGET static V start(int i) { return _mm512_set1_ps(static_cast<float>(i)); }
+  SD_PROBE_TARGET static V step(V acc, A a) { return _mm512_dpbf16_ps(acc, a, a); }
+  SD_PROBE_TARGET static float lane(V x) { return _mm512_cvtss_f32(x); }
+};
+struct FmaZmm {
+  using V = __m512;
+  using A = __m512;
+  SD_PROBE_TARGET static A operand() { return _mm512_set1_ps(1.0001f); }
+  SD_PROBE_TARGET static V start(int i) { return _mm512_set1_ps(static_cast<float>(i)); }
+  SD_PROBE_TARGET static V step(V acc, A a) { return _mm512_fmadd_ps(a, a, acc); }
+  SD_PROBE_TARGET static float lane(V x) { return _mm512_cvtss_f32(x); }
+};
+
+// Seconds per product of N independent chains of Op's product.
+template <class Op, int N>
+SD_PROBE_TARGET __attribute__((noinline)) double chains(long iters) {
+  typename Op::V acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = Op::start(i);
+  typename Op::A a = Op::operand();
   const Clock::time_point t0 = Clock::now();
   for (long it = 0; it < iters; ++it) {
 #pragma GCC unroll 16
-    for (int i = 0; i < N; ++i) acc[i] = _mm256_dpbf16_ps(acc[i], a, b);
+    for (int i = 0; i < N; ++i) acc[i] = Op::step(acc[i], a);
     asm volatile("" : "+v"(a));  // keeps the operand live, so no product is hoisted
   }
   const double sec = seconds_since(t0);
   float sink = 0.0f;
-  for (int i = 0; i < N; ++i) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc[i]);
-    sink += lanes[0];
-  }
-  if (sink == 1.25f) std::puts("");
-  return sec / (static_cast<double>(iters) * N);
-}
-
-// As dp_ymm on zmm.
-template <int N>
-__attribute__((target("avx512f,avx512bf16"), noinline)) double dp_zmm(long iters) {
-  __m512 acc[N];
-  for (int i = 0; i < N; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
-  __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
-  const __m512bh b = a;
-  const Clock::time_point t0 = Clock::now();
-  for (long it = 0; it < iters; ++it) {
-#pragma GCC unroll 16
-    for (int i = 0; i < N; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-    asm volatile("" : "+v"(a));
-  }
-  const double sec = seconds_since(t0);
-  float sink = 0.0f;
-  for (int i = 0; i < N; ++i) sink += _mm512_reduce_add_ps(acc[i]);
-  if (sink == 1.25f) std::puts("");
-  return sec / (static_cast<double>(iters) * N);
-}
-
-// As dp_zmm with vfmadd on fp32.
-template <int N>
-__attribute__((target("avx512f"), noinline)) double fma_zmm(long iters) {
-  __m512 acc[N];
-  for (int i = 0; i < N; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
-  __m512 a = _mm512_set1_ps(1.0001f);
-  const __m512 b = a;
-  const Clock::time_point t0 = Clock::now();
-  for (long it = 0; it < iters; ++it) {
-#pragma GCC unroll 16
-    for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(a, b, acc[i]);
-    asm volatile("" : "+v"(a));
-  }
-  const double sec = seconds_since(t0);
-  float sink = 0.0f;
-  for (int i = 0; i < N; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+  for (int i = 0; i < N; ++i) sink += Op::lane(acc[i]);
   if (sink == 1.25f) std::puts("");
   return sec / (static_cast<double>(iters) * N);
 }
@@ -122,15 +106,15 @@ int main(int argc, char** argv) {
               ghz, iters);
   std::puts("| product | chains | ns per product | products per ns | cycles per product |");
   std::puts("|---|---|---|---|---|");
-  report("vdpbf16ps ymm", 1, dp_ymm<1>(iters), ghz);
-  report("vdpbf16ps ymm", 8, dp_ymm<8>(iters), ghz);
-  report("vdpbf16ps ymm", 12, dp_ymm<12>(iters), ghz);
-  report("vdpbf16ps ymm", 16, dp_ymm<16>(iters), ghz);
-  report("vdpbf16ps zmm", 1, dp_zmm<1>(iters), ghz);
-  report("vdpbf16ps zmm", 8, dp_zmm<8>(iters), ghz);
-  report("vdpbf16ps zmm", 16, dp_zmm<16>(iters), ghz);
-  report("vfmadd zmm", 1, fma_zmm<1>(iters), ghz);
-  report("vfmadd zmm", 8, fma_zmm<8>(iters), ghz);
-  report("vfmadd zmm", 16, fma_zmm<16>(iters), ghz);
+  report("vdpbf16ps ymm", 1, chains<DpYmm, 1>(iters), ghz);
+  report("vdpbf16ps ymm", 8, chains<DpYmm, 8>(iters), ghz);
+  report("vdpbf16ps ymm", 12, chains<DpYmm, 12>(iters), ghz);
+  report("vdpbf16ps ymm", 16, chains<DpYmm, 16>(iters), ghz);
+  report("vdpbf16ps zmm", 1, chains<DpZmm, 1>(iters), ghz);
+  report("vdpbf16ps zmm", 8, chains<DpZmm, 8>(iters), ghz);
+  report("vdpbf16ps zmm", 16, chains<DpZmm, 16>(iters), ghz);
+  report("vfmadd zmm", 1, chains<FmaZmm, 1>(iters), ghz);
+  report("vfmadd zmm", 8, chains<FmaZmm, 8>(iters), ghz);
+  report("vfmadd zmm", 16, chains<FmaZmm, 16>(iters), ghz);
   return 0;
 }
