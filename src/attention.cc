@@ -1465,10 +1465,10 @@ SD_TARGET_AVX512BF16 void stream_partials_rows_bf16(const float* q, int heads, i
 // two chains, the even and the odd pairs, added at the end, so 16 chains are in flight: on a Zen
 // 4 VM vdpbf16ps takes about 1.7 ns (6 cycles) and issues 4.7 ymm products per ns from 8 chains
 // against 6.8-7.1 from 16 (bench/probes/dp_chains_probe.cc); the bf16 lane path at 8 rows per KV
-// head took 6 % less time with its KV in L3, one thread (session 47, bench/RESULTS.md). Sixteen
-// keys at once would also give 16 chains, but their rows, Hkv * D elements apart, crowd the few
-// L1 sets they map to (1.09-1.12x the time from DRAM in one A/B). zmm products issue 3.4 per ns
-// from 8 chains as from 16, so Lanes16 keeps one chain per key.
+// head took 6-9 % less time with its KV in L3, one thread (session 47, bench/RESULTS.md).
+// Sixteen keys at once would also give 16 chains, but their rows, Hkv * D elements apart, crowd
+// the few L1 sets they map to (1.03-1.12x the time from DRAM in one A/B). zmm products issue 3.4
+// per ns from 8 chains as from 16, so Lanes16 keeps one chain per key.
 template <int W, class L>
 SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_dots_bf16(const float* qt, const uint16_t* const* kp,
                                                          float mult, typename L::V* s) {
@@ -1488,7 +1488,11 @@ SD_TARGET_AVX512BF16 SD_FORCE_INLINE void lane_dots_bf16(const float* qt, const 
   }
   const typename L::V m = L::set1(mult);
   for (int j = 0; j < 8; ++j) {
-    s[j] = L::mul(kChains == 2 ? L::add(acc[0][j], acc[kChains - 1][j]) : acc[0][j], m);
+    if constexpr (kChains == 2) {
+      s[j] = L::mul(L::add(acc[0][j], acc[1][j]), m);
+    } else {
+      s[j] = L::mul(acc[0][j], m);
+    }
   }
 }
 

@@ -1,10 +1,11 @@
 // A standalone probe of how many independent accumulator chains vdpbf16ps needs to reach its
-// issue rate (src/attention.cc, lane_dots_bf16: the bf16 lane path's scores keep one accumulator
-// per key of a group of 8). Each case runs N independent chains acc[i] = dpbf16(acc[i], a, b)
-// for ymm and zmm, and fused multiply-adds on zmm for comparison, and prints nanoseconds per
-// product and products per nanosecond. One chain gives the latency, many the throughput; the
-// chain count at which the rate stops rising is what a loop must keep in flight. A dependent
-// chain of one-cycle integer adds estimates the clock, to turn both into cycles. One thread.
+// issue rate (src/attention.cc, lane_dots_bf16: the bf16 lane path's scores kept one accumulator
+// per key of a group of 8 before session 47, two on ymm since). Each case runs N independent chains
+// acc[i] = dpbf16(acc[i], a, b) for ymm and zmm, and fused multiply-adds on zmm for comparison, and
+// prints nanoseconds per product and products per nanosecond. One chain gives the latency, many the
+// throughput; the chain count at which the rate stops rising is what a loop must keep in flight. A
+// dependent chain of one-cycle integer adds estimates the clock, to turn both into cycles. One
+// thread.
 //
 // Build and run (bench/RESULTS.md, tree_attention, session 47):
 //   g++ -O2 -std=c++17 bench/probes/dp_chains_probe.cc -o /tmp/dp_chains_probe
