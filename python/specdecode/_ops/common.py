@@ -129,11 +129,20 @@ def as_array(x: Any, name: str, dtype: torch.dtype | None = None) -> Any:
     return x
 
 
+# torch's getter of a device's current stream as an integer (the handle the launchers take),
+# present in CUDA builds only; what triton and inductor call. torch.cuda.current_stream builds a
+# Stream object on every call instead, host work on every op.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def stream_of(device: torch.device) -> int:
     """The caller's current CUDA stream on `device` as an integer (0 for the CPU)."""
-    if device.type == "cuda":
-        return int(torch.cuda.current_stream(device).cuda_stream)
-    return 0
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _current_raw_stream is not None:
+        return int(_current_raw_stream(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
 
 
 @functools.cache
